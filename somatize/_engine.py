@@ -1,0 +1,271 @@
+"""The engine: walks a graph (or a stretch of it) wave by wave, here, handing remote
+stretches to the transport, with each value's key travelling beside it.
+
+    outcome = walk(graph, graph.plan.order, inputs={"body": x})
+    outcome.values["head"], outcome.keys["head"]
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ._errors import ContractError, Lost, MissingInput
+from ._keys import changed, fingerprint, key_of_input, key_of_node
+from ._memory import cacheable, check_settled, state_digest
+from ._node import Ctx, kind_of
+from ._plan import units
+from ._say import say_once
+from ._values import Done, FanIn, Left, Opaque, bare
+
+
+@dataclass
+class Outcome:
+    """What a walk produced: values by node (``Left`` for what stayed behind), and keys."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    keys: dict[str, str | None] = field(default_factory=dict)
+    ran: list[str] = field(default_factory=list)
+    hits: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Stretch:
+    """A stretch of consecutive nodes sent to one worker, with what it is handed."""
+
+    host: str
+    nodes: tuple[str, ...]
+    given: Mapping[str, Any]
+    given_keys: Mapping[str, str | None]
+    inputs: Mapping[str, Any]
+    naming: bool
+    training: bool
+    wanted: tuple[str, ...]
+
+
+def run_node(node_id: str, node: Any, x: Any, host: str | None, training: bool) -> Any:
+    """Call one node's forward with its bare input; return what its ``Done`` holds."""
+    out = node.forward(bare(x), Ctx(node_id, host, training))
+    if not isinstance(out, Done):
+        raise ContractError(
+            f"node {node_id!r} ({kind_of(node)}).forward returned {type(out).__name__}, "
+            f"not Done: end its forward with `return Done(value)`"
+        )
+    return out.value
+
+
+def walk(
+    graph,
+    order: Iterable[str],
+    *,
+    inputs: Mapping[str, Any] | None = None,
+    given: Mapping[str, Any] | None = None,
+    given_keys: Mapping[str, str | None] | None = None,
+    here: str | None = None,
+    keeper: Any = None,
+    naming: bool = False,
+    training: bool = False,
+    remote: Any = None,
+    wanted: Iterable[str] | None = None,
+) -> Outcome:
+    """Run the nodes of ``order`` (topological) of ``graph``, on ``here``'s side.
+
+    Args:
+        inputs: what each root among them is fed.
+        given: values produced outside this walk, by producer id.
+        given_keys: their keys, when naming.
+        keeper: where cached nodes run here are looked up and kept.
+        naming: compute keys (a keeper is present here or on some worker).
+        remote: the transport that runs stretches on other hosts.
+        wanted: the nodes whose values the caller needs (default: all).
+    """
+    order = list(order)
+    inputs = inputs or {}
+    given = dict(given or {})
+    preds = graph.preds
+    out = Outcome()
+    values = out.values
+    keys = out.keys
+    if naming:
+        keys.update(_name(graph, order, inputs, given_keys or {}))
+
+    cached = {n for n in order if n in graph.memory.cached and graph.placement.get(n) == here}
+    hits: dict[str, Any] = {}
+    if keeper is not None and naming:
+        ask = [n for n in order if n in cached and keys.get(n)]
+        if ask:
+            for n, kept in zip(ask, keeper.get_many([f"value/{keys[n]}" for n in ask])):
+                if kept is not None:
+                    _check_fingerprint(graph, n, kept.meta)
+                    hits[n] = kept.value
+    needed = set(order if wanted is None else wanted)
+    for n in reversed(order):
+        if n in needed and n not in hits:
+            needed.update(preds[n])
+    todo = [n for n in order if n in needed]
+
+    def read(consumer: str, p: str) -> Any:
+        v = values[p] if p in values else given[p] if p in given else _missing(consumer, p)
+        if isinstance(v, Left):
+            raise Lost(
+                f"node {consumer!r} on {_side(here)} reads the value of {v.node!r}, which "
+                f"stayed on {_side(v.host)}: it cannot travel ({v.why or 'no codec'}). "
+                f"Run {consumer!r} where {v.node!r} runs (.at({v.host!r})), or make "
+                f"{v.node!r} return something that pickles"
+            )
+        return v
+
+    def input_of(n: str) -> Any:
+        ps = preds[n]
+        if not ps:
+            if n not in inputs:
+                raise MissingInput(
+                    f"root node {n!r} was given no input: pass g.forward(x) to feed every "
+                    f"root, or feeds={{{n!r}: x, ...}} to feed each"
+                )
+            return inputs[n]
+        if len(ps) == 1:
+            return read(n, ps[0])
+        return FanIn({p: read(n, p) for p in ps})
+
+    for wave in units(preds, todo, graph.placement.hosts, here):
+        pending = []
+        for unit in wave:
+            if unit.host is None:
+                continue
+            inside = set(unit.nodes)
+            outside = {p for m in unit.nodes for p in preds[m] if p not in inside}
+            stretch = Stretch(
+                host=unit.host,
+                nodes=unit.nodes,
+                given={p: values[p] if p in values else given[p] for p in outside},
+                given_keys={p: keys.get(p) for p in outside} if naming else {},
+                inputs={m: inputs[m] for m in unit.nodes if not preds[m] and m in inputs},
+                naming=naming,
+                training=training,
+                wanted=tuple(m for m in unit.nodes if m in needed and (
+                    m in (wanted if wanted is not None else order)
+                    or any(c not in inside for c in graph.successors(m)))),
+            )
+            pending.append(remote.submit(stretch))
+        for unit in wave:
+            if unit.host is not None:
+                continue
+            (n,) = unit.nodes
+            if n in hits:
+                values[n] = hits[n]
+                out.hits.append(n)
+                continue
+            values[n] = run_node(n, graph.catalog[n], input_of(n), here, training)
+            out.ran.append(n)
+            if n in cached and keeper is not None and keys.get(n):
+                _keep(graph, keeper, n, keys[n], values[n])
+        for p in pending:
+            got = p.result()
+            values.update(got.values)
+            keys.update({k: v for k, v in got.keys.items() if v is not None or k not in keys})
+            out.ran += got.ran
+            out.hits += got.hits
+    return out
+
+
+def _missing(consumer: str, p: str):
+    raise MissingInput(f"node {consumer!r} needs the value of {p!r}, which was not handed over")
+
+
+def _side(host: str | None) -> str:
+    return "the coordinator (here)" if host is None else f"worker {host!r}"
+
+
+def _name(graph, order, inputs, given_keys) -> dict[str, str | None]:
+    keys: dict[str, str | None] = dict(given_keys)
+    by_input: dict[int, str | None] = {}  # roots fed the same object are hashed once
+    for n in order:
+        ps = graph.preds[n]
+        if not ps:
+            x = inputs.get(n)
+            if id(x) not in by_input:
+                by_input[id(x)] = key_of_input(x) if n in inputs else None
+            keys[n] = by_input[id(x)]
+            continue
+        node = graph.catalog[n]
+        keys[n] = key_of_node(
+            kind_of(node), state_digest(node), graph.memory.cached.get(n),
+            [(p, keys.get(p)) for p in ps],
+        )
+    return keys
+
+
+def _code_of(node: Any) -> type:
+    return getattr(node, "_soma_code", None) or type(node)
+
+
+def _keep(graph, keeper, n: str, key: str, value: Any) -> None:
+    node = graph.catalog[n]
+    meta = {
+        "node": n,
+        "class": kind_of(node),
+        "fingerprint": json.dumps(fingerprint(_code_of(node)), sort_keys=True),
+    }
+    keeper.put(f"value/{key}", value.value if isinstance(value, Opaque) else value, meta)
+
+
+def _check_fingerprint(graph, n: str, meta: Mapping[str, str]) -> None:
+    node = graph.catalog[n]
+    try:
+        old = json.loads(meta.get("fingerprint", "{}"))
+    except ValueError:
+        old = {}
+    new = fingerprint(_code_of(node))
+    diff = changed(old, new)
+    if diff:
+        say_once(
+            ("fingerprint", n, tuple(diff)),
+            f"node {n!r} ({kind_of(node)}): the value kept under its name was produced by "
+            f"different code ({', '.join(diff)} changed since). It is used anyway: the code "
+            f"is not part of the name. If the change alters what {n!r} produces, say so in "
+            f"its key with .cached(salt='v2')",
+        )
+
+
+def run_graph(graph, input, *, store=None, workers=None, feeds=None, training=False):
+    """``Graph.forward``: check what is declared, open the keeper, walk, read the sinks."""
+    from .store import open_keeper
+
+    if graph.memory.cached:
+        cacheable(graph)
+    check_settled(graph)
+    keeper = open_keeper(store)
+    remote = None
+    if graph.placement.hosts:
+        from .remote import runtime_for
+
+        remote = runtime_for(graph, workers)
+    naming = keeper is not None or bool(remote is not None and remote.keeps())
+    if graph.memory.cached and not naming:
+        say_once(("nothing kept", id(graph)),
+                 f"nodes {sorted(graph.memory.cached)} are .cached() but no store was given "
+                 "(here or on a worker): nothing is kept. Pass store='/path/to/dir'")
+    inputs = {r: (feeds[r] if r in feeds else _missing_feed(r, feeds)) for r in graph.roots} \
+        if feeds is not None else {r: input for r in graph.roots}
+    sinks = graph.sinks
+    out = walk(graph, graph.plan.order, inputs=inputs, keeper=keeper, naming=naming,
+               training=training, remote=remote, wanted=sinks)
+    result = {}
+    for s in sinks:
+        v = out.values[s]
+        if isinstance(v, Left):
+            raise Lost(
+                f"the value of sink {s!r} stayed on worker {v.host!r} ({v.why}): it cannot "
+                f"travel to the coordinator. Make {s!r} return something that pickles"
+            )
+        result[s] = bare(v)
+    return result[sinks[0]] if len(sinks) == 1 else result
+
+
+def _missing_feed(root: str, feeds) -> Any:
+    raise MissingInput(
+        f"root node {root!r} was given no input: feeds has {sorted(feeds)}; add {root!r}"
+    )

@@ -1,0 +1,50 @@
+"""The library's exceptions: one base class, each message naming the node, worker
+or file at fault and saying what to do.
+
+    try:
+        g.forward(x)
+    except somatize.SomatizeError as e:
+        print(e)
+"""
+
+from __future__ import annotations
+
+
+class SomatizeError(Exception):
+    """Base class of every error somatize raises."""
+
+
+class GraphError(SomatizeError):
+    """A graph cannot be built as written (a cycle, a duplicate id, not a node)."""
+
+
+class ContractError(SomatizeError):
+    """A node broke its contract (its forward did not return ``Done``)."""
+
+
+class MissingInput(SomatizeError):
+    """A root of the graph (or of a stretch) was given no input."""
+
+
+class Refused(SomatizeError):
+    """A run was refused before anything ran (a cache after a cut, settled-and-trained...)."""
+
+
+class NotSettled(Refused):
+    """A node declared ``.frozen()`` has state and no digest: call ``somatize.torch.freeze(g)``."""
+
+
+class Lost(SomatizeError):
+    """A value stayed behind in another process and was read from here."""
+
+
+class WorkerError(SomatizeError):
+    """A worker died, timed out, or raised inside a node over there."""
+
+
+class NoGradient(SomatizeError):
+    """Local parameters got no gradient in a backward pass."""
+
+
+class StoreError(SomatizeError):
+    """A store could not be opened or used as asked."""

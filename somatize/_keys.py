@@ -1,0 +1,164 @@
+"""Keys: the name of a value, known before anything runs — a Merkle hash over the recipe.
+
+    key(root) = H("input", the input by its content)     # the only place data is hashed
+    key(node) = H("node", class name, state digest, salt, keys of its predecessors)
+
+Pieces are length-prefixed, so ``["ab", "c"]`` and ``["a", "bc"]`` are two names.
+The hash is BLAKE3 (cryptographic, 2-5 GB/s here; see scripts/bench_cache.py): a
+shared store must not serve one value under another's name.
+
+    key_of_input(x) == key_of_input(Opaque(x))
+"""
+
+from __future__ import annotations
+
+import dis
+import inspect
+import json
+import struct
+import types
+from collections.abc import Iterable
+from typing import Any
+
+from blake3 import blake3
+
+from ._values import Opaque, codec_for
+
+_LEN = struct.Struct("<Q")
+
+
+class _Unnamed(Exception):
+    """An object in the input has no codec: it, and all below it, stay nameless."""
+
+
+def digest(pieces: Iterable[bytes | str]) -> str:
+    """The hex BLAKE3 of length-prefixed pieces."""
+    h = blake3()
+    for p in pieces:
+        if isinstance(p, str):
+            p = p.encode()
+        h.update(_LEN.pack(len(p)))
+        h.update(p)
+    return h.hexdigest()
+
+
+def key_of_input(value: Any) -> str | None:
+    """The key of a root's input, by content; None when part of it has no codec."""
+    h = blake3()
+    try:
+        _feed(h, value)
+    except _Unnamed:
+        return None
+    return digest(["input", h.hexdigest()])
+
+
+def key_of_node(kind: str, state: str | None, salt: str | None, preds) -> str | None:
+    """The key of a node's output; ``preds`` is ``[(pred_id, key)]`` (None if unnamed).
+
+    A node with one predecessor is named by its key alone; a fan-in also by the
+    predecessor ids, since those are the keys of the dict the node is handed.
+    """
+    if any(k is None for _, k in preds):
+        return None
+    pieces = ["node", kind, state or "", salt or "", str(len(preds))]
+    if len(preds) == 1:
+        pieces.append(preds[0][1])
+    else:
+        for p, k in preds:
+            pieces += [p, k]
+    return digest(pieces)
+
+
+def _feed(h, value: Any) -> None:
+    # a tag and a length before every piece: no two values share an encoding
+    if isinstance(value, Opaque):
+        value = value.value
+    if value is None or isinstance(value, (bool, int, float, complex)):
+        _piece(h, b"s", repr(value).encode() + type(value).__name__.encode())
+    elif isinstance(value, str):
+        _piece(h, b"u", value.encode())
+    elif isinstance(value, (bytes, bytearray, memoryview)):
+        _piece(h, b"b", value)
+    elif isinstance(value, (list, tuple)):
+        _piece(h, b"l" if isinstance(value, list) else b"t", str(len(value)).encode())
+        for v in value:
+            _feed(h, v)
+    elif isinstance(value, dict):
+        _piece(h, b"d", str(len(value)).encode())
+        for k in sorted(value, key=repr):
+            _feed(h, k)
+            _feed(h, value[k])
+    else:
+        c = codec_for(value)
+        if c is None:
+            raise _Unnamed(type(value).__name__)
+        blob = c.dump(value)
+        _piece(h, b"o", json.dumps([c.kind, blob.dtype, list(blob.shape)]).encode())
+        _piece(h, b"r", blob.data)
+
+
+def _piece(h, tag: bytes, data) -> None:
+    mv = memoryview(data).cast("B")  # hashes in place: never a copy of the bytes
+    h.update(tag)
+    h.update(_LEN.pack(mv.nbytes))
+    h.update(mv)
+
+
+# -- the code's fingerprint: written beside a value, compared on a hit, never in the key --
+
+def fingerprint(cls: type) -> dict[str, str]:
+    """``{"Class.method": hash}`` for the code a class runs (its own and its bases').
+
+    Only what the code refers to is read: globals it really loads (LOAD_GLOBAL),
+    never attribute names (``self.model`` does not pull a global ``model`` in).
+    """
+    out: dict[str, str] = {}
+    for klass in cls.__mro__:
+        if klass.__module__.startswith(("somatize", "torch.")) or klass is object:
+            continue
+        for name, attr in vars(klass).items():
+            fn = getattr(attr, "__func__", attr)
+            if isinstance(fn, property):
+                fn = fn.fget
+            if isinstance(fn, types.FunctionType):
+                out[f"{klass.__qualname__}.{name}"] = _code_hash(fn.__code__, fn.__globals__)
+    return out
+
+
+def _code_hash(code: types.CodeType, globals_: dict, depth: int = 0) -> str:
+    pieces: list[bytes | str] = [code.co_code, repr(code.co_varnames)]
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            pieces.append(_code_hash(c, globals_, depth))
+        else:
+            pieces.append(repr(c))
+    for ins in dis.get_instructions(code):
+        if ins.opname == "LOAD_GLOBAL":
+            pieces.append("global:" + str(ins.argval))
+            pieces.append(_global_piece(globals_.get(ins.argval), depth))
+        elif ins.opname in ("LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR"):
+            pieces.append("attr:" + str(ins.argval))
+    return digest(pieces)
+
+
+def _global_piece(value: Any, depth: int) -> str:
+    """What a loaded global contributes: its code for a function, its value for a constant."""
+    if isinstance(value, (bool, int, float, str, bytes, type(None))):
+        return repr(value)
+    if isinstance(value, types.FunctionType) and depth < 3:
+        return _code_hash(value.__code__, value.__globals__, depth + 1)
+    if isinstance(value, (type, types.ModuleType)):
+        return getattr(value, "__qualname__", None) or value.__name__
+    return type(value).__qualname__
+
+
+def changed(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """The methods whose code differs between two fingerprints."""
+    return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+
+
+def source_file(cls: type) -> str:
+    try:
+        return inspect.getsourcefile(cls) or "?"
+    except TypeError:
+        return "?"

@@ -1,0 +1,11 @@
+"""somatize for tensors: wrap modules as nodes, settle frozen nodes, keep tensors,
+and train a graph — in one piece or in stages, here and on workers.
+
+    from somatize.torch import node, freeze, parameters, Split, Trainer
+"""
+
+from ._codec import from_blob, to_blob
+from ._freeze import freeze, parameters, state_digest
+from ._module import ModuleNode, node
+
+__all__ = ["ModuleNode", "freeze", "from_blob", "node", "parameters", "state_digest", "to_blob"]

@@ -1,0 +1,48 @@
+"""The tensor's codec, registered when ``somatize.torch`` is imported: a tensor becomes a
+safetensors dtype, a shape and its bytes (read in place, never copied), and back.
+
+    blob = to_blob(t); torch.equal(from_blob(blob), t)
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .._values import Blob, codec
+
+DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL", torch.uint16: "U16", torch.uint32: "U32",
+    torch.uint64: "U64", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.complex64: "C64",
+}
+TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+
+
+def to_blob(t: torch.Tensor) -> Blob:
+    """A tensor as bytes: on the CPU, contiguous, viewed as bytes without a copy."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    if t.dtype not in DTYPES:
+        raise TypeError(f"tensors of dtype {t.dtype} cannot be kept (no safetensors dtype)")
+    data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+    return Blob(DTYPES[t.dtype], tuple(t.shape), memoryview(data) if t.numel() else data)
+
+
+def from_blob(blob: Blob) -> torch.Tensor:
+    """A tensor from bytes, on the CPU, a leaf; shares the buffer when it can."""
+    dtype = TORCH_DTYPES[blob.dtype]
+    if not len(memoryview(blob.data)):
+        return torch.empty(blob.shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only buffer: the store hands out private copies
+        flat = torch.frombuffer(blob.data, dtype=torch.uint8)
+    return flat.view(dtype).reshape(blob.shape)
+
+
+codec("tensor", torch.Tensor, dump=to_blob, load=from_blob)

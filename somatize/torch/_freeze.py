@@ -1,0 +1,84 @@
+"""Settling: ``freeze(g)`` makes ``.frozen()`` true and pays once for the weights' digest;
+``parameters(g, without=trains)`` is what the local optimizer should hold.
+
+    freeze(g)                              # requires_grad_(False), eval(), digest
+    SGD(parameters(g, without=trains), lr=0.1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from blake3 import blake3
+
+from .._keys import digest
+from ._codec import to_blob
+
+
+def modules_of(node: Any) -> list[tuple[str, torch.nn.Module]]:
+    """The ``nn.Module`` attributes a node holds, by attribute name."""
+    if isinstance(node, torch.nn.Module):
+        return [("", node)]
+    return sorted((k, v) for k, v in vars(node).items() if isinstance(v, torch.nn.Module))
+
+
+def state_of(node: Any) -> list[tuple[str, torch.Tensor]]:
+    """A node's state as named tensors: its modules' state_dicts, else its parameters()."""
+    state = [
+        (f"{name}.{k}" if name else k, v)
+        for name, m in modules_of(node)
+        for k, v in m.state_dict(keep_vars=True).items()
+    ]
+    if not state and callable(getattr(node, "parameters", None)):
+        state = [(str(i), p) for i, p in enumerate(node.parameters())]
+    return state
+
+
+def state_digest(node: Any) -> str | None:
+    """The digest of a node's state (None for a node with no state)."""
+    state = state_of(node)
+    if not state:
+        return None
+    h = blake3()
+    for name, t in state:
+        blob = to_blob(t)
+        h.update(digest([name, blob.dtype, repr(blob.shape)]).encode())
+        h.update(memoryview(blob.data).cast("B"))
+    return digest(["state", h.hexdigest()])
+
+
+def freeze(graph) -> Any:
+    """Settle every node declared ``.frozen()``: no more gradients, eval mode, a digest.
+
+    Returns the graph, so ``freeze(g).forward(x, store=...)`` reads well.
+    """
+    for n in graph.memory.frozen:
+        node = graph.catalog[n]
+        for _, m in modules_of(node):
+            m.eval()
+        for _, t in state_of(node):
+            if t.is_floating_point() or t.is_complex():
+                t.requires_grad_(False)
+        node._soma_digest = state_digest(node)
+    return graph
+
+
+def parameters(graph, without: Iterable[str] | Mapping[str, Any] = ()) -> list[torch.nn.Parameter]:
+    """The parameters of the graph's nodes that the local optimizer should hold.
+
+    Leaves out the nodes in ``without`` (pass ``trains``), frozen nodes, and tensors
+    that do not require a gradient; each tensor appears once.
+    """
+    skip = set(without)
+    seen: set[int] = set()
+    out = []
+    for n, node in graph.catalog.items():
+        if n in skip or n in graph.memory.frozen or not callable(getattr(node, "parameters", None)):
+            continue
+        for p in node.parameters():
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out
