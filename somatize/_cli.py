@@ -1,0 +1,46 @@
+"""The ``somatize`` command: ``show`` a graph, look inside a ``store``, serve as a ``worker``.
+
+    somatize show examples/graph.py
+    somatize store ls /scratch/soma
+    somatize worker --name gpu --listen 127.0.0.1:7000
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = """usage: somatize {show,store,worker} ...
+
+  show PATH|MODULE [--dot FILE] [--svg FILE] [--png FILE]
+                        print a graph built by a script or module, and draw it
+  store {ls,du,verify,gc} PATH
+                        look inside a store
+  worker --name NAME --listen HOST:PORT [--store PATH]
+                        serve as a standing worker
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "show":
+        from ._describe import show_main
+
+        return show_main(rest)
+    if cmd == "store":
+        from ._store_cli import main as store_main
+
+        return store_main(rest)
+    if cmd == "worker":
+        from .worker import main as worker_main
+
+        return worker_main(rest)
+    print(f"somatize: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
