@@ -9,8 +9,9 @@ tensor) for whoever must move or keep it; nodes are always handed the bare value
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 
 @dataclass(frozen=True)
