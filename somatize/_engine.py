@@ -96,7 +96,8 @@ def walk(
     if keeper is not None and naming:
         ask = [n for n in order if n in cached and keys.get(n)]
         if ask:
-            for n, kept in zip(ask, keeper.get_many([f"value/{keys[n]}" for n in ask]), strict=False):
+            found = keeper.get_many([f"value/{keys[n]}" for n in ask])
+            for n, kept in zip(ask, found, strict=True):
                 if kept is not None:
                     _check_fingerprint(graph, n, kept.meta)
                     hits[n] = kept.value
