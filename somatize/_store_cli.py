@@ -1,0 +1,104 @@
+"""``somatize store {ls,du,verify,gc} PATH``: look inside a store, check it, clean it.
+
+    somatize store ls /scratch/soma [PREFIX]   # names, node, class, fingerprint, size
+    somatize store du /scratch/soma            # blobs, names, bytes, what gc would free
+    somatize store verify /scratch/soma        # exit 1 when a blob is damaged
+    somatize store gc /scratch/soma [--dry-run]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from blake3 import blake3
+
+from .store import Store
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _ls(store: Store, prefix: str) -> int:
+    for e in store.entries(prefix):
+        fp = e.meta.get("fingerprint")
+        fp = blake3(fp.encode()).hexdigest()[:12] if fp else "-"
+        print(f"{e.name}\t{_size(e.size)}\tnode={e.meta.get('node', '-')}\t"
+              f"class={e.meta.get('class', '-')}\tcode={fp}\tblob={e.blob[:12]}")
+    return 0
+
+
+def _du(store: Store) -> int:
+    blobs = dict(store.blobs())
+    entries = list(store.entries())
+    used = {e.blob for e in entries}
+    free = sum(s for b, s in blobs.items() if b not in used)
+    tmp = [p.stat().st_size for p in (store.path / "tmp").glob("*")] if (
+        store.path / "tmp").is_dir() else []
+    print(f"{store.path}: {len(blobs)} blobs, {_size(sum(blobs.values()))}; "
+          f"{len(entries)} names; unreferenced {len(blobs) - len(used & set(blobs))} blobs, "
+          f"{_size(free)}; leftovers {len(tmp)} files, {_size(sum(tmp))} (gc frees both)")
+    return 0
+
+
+def _verify(store: Store) -> int:
+    bad = 0
+    by_blob: dict[str, list[str]] = {}
+    for e in store.entries():
+        by_blob.setdefault(e.blob, []).append(e.name)
+    on_disk = dict(store.blobs())
+    for blob in sorted(set(on_disk) | set(by_blob)):
+        why = store.check_blob(blob)
+        if why is None:
+            continue
+        bad += 1
+        names = ", ".join(by_blob.get(blob, [])) or "no name"
+        print(f"damaged: blob {blob[:16]} ({names}): {why}. Delete "
+              f"{store.blob_path(blob)} (its values are recomputed and kept again)",
+              file=sys.stderr)
+    print(f"{store.path}: {len(on_disk)} blobs, {sum(map(len, by_blob.values()))} names, "
+          f"{bad} damaged")
+    return 1 if bad else 0
+
+
+def _gc(store: Store, dry_run: bool) -> int:
+    removed, freed = store.gc(dry_run=dry_run)
+    print(f"{store.path}: {'would remove' if dry_run else 'removed'} {removed} files, "
+          f"{_size(freed)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``somatize store ...``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="somatize store", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("ls", help="list names, with node, class, code fingerprint and size")
+    ls.add_argument("path")
+    ls.add_argument("prefix", nargs="?", default="", help="e.g. value/ or artifact/")
+    sub.add_parser("du", help="how much is kept, and what gc would free").add_argument("path")
+    sub.add_parser("verify", help="check every blob; exit 1 if one is damaged").add_argument(
+        "path")
+    gc = sub.add_parser("gc", help="remove blobs no name points at (safe while in use)")
+    gc.add_argument("path")
+    gc.add_argument("--dry-run", action="store_true")
+    args = parser.parse_args(argv)
+    path = Path(args.path)
+    if not (path / "names").is_dir() and not (path / "blobs").is_dir():
+        print(f"somatize store: no store at {path} (no names/ nor blobs/ in it); "
+              "a store is created by the first g.forward(x, store=PATH) that keeps a value",
+              file=sys.stderr)
+        return 2
+    store = Store(path)
+    if args.cmd == "ls":
+        return _ls(store, args.prefix)
+    if args.cmd == "du":
+        return _du(store)
+    if args.cmd == "verify":
+        return _verify(store)
+    return _gc(store, args.dry_run)

@@ -1,0 +1,320 @@
+"""The directory store: names, blobs, packing, damage, failures, and ``somatize store``."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import somatize.torch  # noqa: F401  (registers the tensor's codec)
+from somatize import Keeper, Kept, StoreError, codec
+from somatize._say import forget
+from somatize._store_cli import main as store_cli
+from somatize._values import Blob
+from somatize.store import Guarded, Store, open_keeper
+
+
+@pytest.fixture(autouse=True)
+def _say_again():
+    forget()
+    yield
+    forget()
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store(tmp_path / "soma")
+
+
+def said(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
+# -- the questionnaire's store section --
+
+def test_a_batch_answers_in_the_order_it_was_asked_holes_included(store):
+    store.put("value/a", torch.tensor([1.0]))
+    store.put("value/c", torch.tensor([3.0]))
+    got = store.get_many(["value/c", "value/b", "value/a", "value/zz"])
+    assert [None if k is None else k.value.item() for k in got] == [3.0, None, 1.0, None]
+
+
+def test_a_name_nobody_kept_is_a_miss_and_not_a_failure(tmp_path, caplog):
+    assert Store(tmp_path / "never-created").get("value/abc") is None
+    assert Store(tmp_path / "never-created").get_many(["value/abc"]) == [None]
+    assert "never-created" not in said(caplog)
+    assert not (tmp_path / "never-created").exists()  # reading creates nothing
+
+
+def test_a_kept_value_is_findable_by_looking_at_what_is_in_the_store(store):
+    store.put("value/k1", {"emb": torch.ones(2)}, meta={"node": "encoder"})
+    store.put("artifact/weights/abc", torch.zeros(3))
+    assert sorted(store.names()) == ["artifact/weights/abc", "value/k1"]
+    assert list(store.names("value/")) == ["value/k1"]
+    (entry,) = store.entries("value/")
+    assert entry.meta == {"node": "encoder"}
+
+
+def test_the_same_bytes_under_two_names_are_stored_once(store):
+    t = torch.randn(100, 10)
+    store.put("value/one", t, meta={"node": "a"})
+    store.put("value/two", t.clone(), meta={"node": "b"})  # other meta: meta is beside the bytes
+    store.put("artifact/emb/x", t)
+    assert len(list(store.blobs())) == 1
+    assert len({e.blob for e in store.entries()}) == 1
+    assert store.get("value/two").meta == {"node": "b"}
+
+
+# -- packing: one safetensors file, written by hand, never unpickled --
+
+def test_a_nested_value_comes_back_as_it_was(store):
+    value = {
+        "emb": torch.randn(3, 4),
+        "ids": torch.arange(5, dtype=torch.int64),
+        "half": torch.randn(7, dtype=torch.float16),  # odd sizes: alignment must hold
+        "mask": torch.tensor([True, False, True]),
+        "bf": torch.randn(3, dtype=torch.bfloat16),
+        "nested": [1, 2.5, None, "text", (True, b"\x00\x01raw"), {"deep": [torch.ones(1)]}],
+        7: "an int key", (1, "a"): "a tuple key",
+        "big": 2**80, "inf": float("inf"), "empty": torch.empty(0, 3),
+    }
+    assert store.put("value/v", value)
+    back = store.get("value/v").value
+    assert back.keys() == value.keys()
+    for k, v in value.items():
+        if isinstance(v, torch.Tensor):
+            assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    assert back["nested"][:5] == value["nested"][:5]
+    assert torch.equal(back["nested"][5]["deep"][0], torch.ones(1))
+    assert back["big"] == 2**80 and back["inf"] == float("inf")
+
+
+def test_a_blob_is_a_safetensors_file_that_safetensors_reads(store):
+    t = {"a": torch.randn(4, 4), "b": torch.arange(3, dtype=torch.int16)}
+    store.put("value/v", t)
+    (blob, _), = store.blobs()
+    loaded = load_file(str(store.blob_path(blob)))
+    assert sorted(torch.cat([v.flatten().double() for v in loaded.values()]).tolist()) == sorted(
+        torch.cat([v.flatten().double() for v in t.values()]).tolist())
+    raw = store.blob_path(blob).read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    assert "somatize/1" in header["__metadata__"]  # the structure travels in the metadata
+    assert b"pickle" not in raw and not raw.startswith(b"\x80")
+
+
+def test_a_restored_tensor_is_a_leaf_on_the_cpu_and_safe_to_modify(store):
+    w = torch.randn(512, 1024, requires_grad=True)
+    y = (w * 2).relu()  # has autograd history
+    store.put("value/y", y)
+    back = store.get("value/y").value
+    # what comes back from a store has no history: a backward pass stops here
+    assert back.is_leaf and back.grad_fn is None and not back.requires_grad
+    assert back.device.type == "cpu"
+    assert torch.equal(back, y.detach())
+    back.add_(1)  # a private copy: the kept value does not change
+    assert torch.equal(store.get("value/y").value, y.detach())
+    assert store.check_blob(next(store.blobs())[0]) is None
+
+
+def test_a_value_whose_type_has_no_codec_is_not_kept_and_stderr_says_why_once(store, caplog):
+    class Handle:
+        pass
+
+    assert store.put("value/h", {"x": Handle()}) is False
+    assert store.put("value/h2", [Handle()]) is False
+    assert said(caplog).count("Handle has no codec") == 1
+    assert list(store.names()) == []
+
+
+def test_a_registered_codec_makes_a_type_keepable(store):
+    class Point:
+        def __init__(self, x, y):
+            self.x, self.y = x, y
+
+    codec("point", Point,
+          dump=lambda p: Blob("F64", (2,), memoryview(bytearray(
+              torch.tensor([p.x, p.y], dtype=torch.float64).numpy().tobytes()))),
+          load=lambda b: Point(*torch.frombuffer(bytearray(b.data), dtype=torch.float64).tolist()))
+    try:
+        assert store.put("value/p", {"p": Point(1.5, -2.0)})
+        p = store.get("value/p").value["p"]
+        assert (type(p), p.x, p.y) == (Point, 1.5, -2.0)
+    finally:
+        from somatize._values import _codecs
+
+        _codecs.pop("point")
+
+
+def test_a_store_name_is_value_key_or_artifact_kind_id(store):
+    for bad in ["value", "value/../x", "other/k", "artifact/k", "value/a/b", "value/.hidden"]:
+        with pytest.raises(StoreError, match="not a store name"):
+            store.put(bad, 1)
+
+
+# -- damage and failures never give a wrong value nor kill the run --
+
+def _corrupt(path, at=-5):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))  # by hand, in place: what a store itself never does
+
+
+def test_a_corrupted_blob_is_detected_on_read_treated_as_a_miss_and_said(store, caplog):
+    t = torch.randn(64, 64)
+    store.put("value/v", t)
+    (blob, _), = store.blobs()
+    _corrupt(store.blob_path(blob))
+    assert store.get("value/v") is None
+    assert "is damaged" in said(caplog) and blob[:16] in said(caplog)
+    # moved aside: keeping the value again rewrites it, and it reads back whole
+    assert store.put("value/v", t)
+    assert torch.equal(store.get("value/v").value, t)
+
+
+def test_a_truncated_blob_is_detected_on_read(store, caplog):
+    store.put("value/v", torch.randn(1000))
+    (blob, size), = store.blobs()
+    with open(store.blob_path(blob), "r+b") as f:
+        f.truncate(size // 2)
+    assert store.get("value/v") is None
+    assert "truncated" in said(caplog)
+
+
+def test_a_big_corrupted_blob_is_detected_too(store):
+    store.put("value/v", torch.randn(600_000))  # above the size that is memory-mapped
+    (blob, _), = store.blobs()
+    _corrupt(store.blob_path(blob), at=2_000_000)
+    assert store.get("value/v") is None
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root ignores permissions")
+def test_a_store_that_cannot_write_says_so_once_and_does_not_raise(tmp_path, caplog):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        store = Store(ro / "soma")
+        assert store.put("value/a", 1) is False
+        assert store.put("value/b", 2) is False
+        assert said(caplog).count("cannot keep") == 1
+    finally:
+        ro.chmod(0o700)
+
+
+def test_a_store_on_a_bad_path_does_not_raise(tmp_path, caplog):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    store = Store(a_file)
+    assert store.put("value/a", torch.ones(2)) is False
+    assert store.put("value/b", torch.ones(2)) is False
+    assert store.get("value/a") is None
+    assert said(caplog).count("cannot keep") == 1
+
+
+class Exploding:
+    """A keeper that fails at everything."""
+
+    def get_many(self, names):
+        raise OSError(28, "No space left on device")
+
+    def put(self, name, value, meta=None):
+        raise OSError(28, "No space left on device")
+
+    def names(self, prefix=""):
+        raise RuntimeError("boom")
+
+
+def test_a_keeper_that_raises_is_a_miss_and_not_kept_said_once(caplog):
+    k = open_keeper(Exploding())
+    assert k.get_many(["value/a", "value/b"]) == [None, None]
+    assert k.get_many(["value/a"]) == [None]
+    assert k.put("value/a", 1) is False and k.put("value/a", 1) is False
+    assert list(k.names()) == []
+    text = said(caplog)
+    assert text.count("get_many failed") == 1 and text.count("put failed") == 1
+
+
+def test_a_keeper_that_answers_the_wrong_number_of_results_is_a_miss():
+    class Short:
+        def get_many(self, names):
+            return [Kept(1, {})]
+
+        def put(self, name, value, meta=None):
+            return True
+
+    assert open_keeper(Short()).get_many(["value/a", "value/b"]) == [None, None]
+
+
+def test_open_keeper_takes_none_a_path_or_a_keeper(tmp_path):
+    assert open_keeper(None) is None
+    assert isinstance(open_keeper(str(tmp_path)).keeper, Store)
+    assert isinstance(open_keeper(tmp_path).keeper, Store)
+    mine = Exploding()
+    assert open_keeper(mine).keeper is mine
+    assert isinstance(Store(tmp_path), Keeper)
+    assert isinstance(open_keeper(tmp_path), Guarded)
+    with pytest.raises(StoreError, match="store= takes a directory path or a Keeper"):
+        open_keeper(42)
+
+
+# -- somatize store ls / du / verify / gc --
+
+def test_store_ls_shows_names_nodes_and_sizes(store, capsys):
+    store.put("value/k1", torch.ones(10), meta={"node": "encoder", "class": "Encoder",
+                                              "fingerprint": "{}"})
+    assert store_cli(["ls", str(store.path)]) == 0
+    out = capsys.readouterr().out
+    assert "value/k1" in out and "encoder" in out and "Encoder" in out
+
+
+def test_store_du_counts_blobs_and_names(store, capsys):
+    store.put("value/k1", torch.ones(10))
+    store.put("value/k2", torch.ones(10))
+    assert store_cli(["du", str(store.path)]) == 0
+    out = capsys.readouterr().out
+    assert "1 blobs" in out and "2 names" in out
+
+
+def test_store_verify_exits_non_zero_on_a_blob_corrupted_by_hand(store, capsys):
+    store.put("value/k1", torch.randn(100))
+    store.put("value/k2", torch.randn(100))
+    assert store_cli(["verify", str(store.path)]) == 0
+    blob = store.entry("value/k2").blob
+    _corrupt(store.blob_path(blob))
+    assert store_cli(["verify", str(store.path)]) == 1
+    out = capsys.readouterr()
+    assert blob[:16] in out.out + out.err and "value/k2" in out.out + out.err
+
+
+def test_python_m_somatize_store_verify_runs_as_a_command(store):
+    store.put("value/k1", torch.randn(10))
+    ok = subprocess.run([sys.executable, "-m", "somatize", "store", "verify", str(store.path)],
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    _corrupt(store.blob_path(store.entry("value/k1").blob))
+    bad = subprocess.run([sys.executable, "-m", "somatize", "store", "verify", str(store.path)],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1
+
+
+def test_store_gc_removes_unreferenced_blobs_only(store, capsys):
+    store.put("value/keep", torch.ones(10))
+    store.put("value/drop", torch.zeros(10))
+    # a name overwritten leaves its old blob unreferenced
+    store.put("value/drop", torch.full((10,), 2.0))
+    (store.path / "tmp" / "123-leftover").write_bytes(b"half a blob")
+    assert len(list(store.blobs())) == 3
+    assert store_cli(["gc", str(store.path)]) == 0
+    assert len(list(store.blobs())) == 2
+    assert not list((store.path / "tmp").iterdir())
+    assert torch.equal(store.get("value/keep").value, torch.ones(10))
+    assert torch.equal(store.get("value/drop").value, torch.full((10,), 2.0))
+    assert store_cli(["verify", str(store.path)]) == 0
+
+
+def test_store_commands_on_a_path_that_is_no_store_say_so(tmp_path, capsys):
+    assert store_cli(["ls", str(tmp_path / "nothing")]) == 2
+    assert "no store" in capsys.readouterr().err
