@@ -185,17 +185,23 @@ def _name(graph, order, inputs, given_keys) -> dict[str, str | None]:
     by_input: dict[int, str | None] = {}  # roots fed the same object are hashed once
     for n in order:
         ps = graph.preds[n]
-        if not ps:
+        if ps:
+            fed = [(p, keys.get(p)) for p in ps]
+        else:
+            # a root node is named like any other, over the key of what it is fed: two
+            # encoders (or two checkpoints) fed one input must not share a name
             x = inputs.get(n)
             if id(x) not in by_input:
                 by_input[id(x)] = key_of_input(x) if n in inputs else None
-            keys[n] = by_input[id(x)]
-            continue
+                if n in inputs and by_input[id(x)] is None:
+                    what = type(bare(x)).__qualname__
+                    say_once(("nameless input", n, what),
+                             f"root {n!r} is fed a {what} that has no codec: nothing below it "
+                             "is named, so nothing below it is kept (import somatize.torch "
+                             "for tensors, or register a codec with somatize.codec)")
+            fed = [("", by_input[id(x)])]
         node = graph.catalog[n]
-        keys[n] = key_of_node(
-            kind_of(node), state_digest(node), graph.memory.cached.get(n),
-            [(p, keys.get(p)) for p in ps],
-        )
+        keys[n] = key_of_node(kind_of(node), state_digest(node), graph.memory.cached.get(n), fed)
     return keys
 
 
