@@ -1,0 +1,144 @@
+"""The learning hole: what trains a node where it runs, and the envelope a gradient
+travels in. No torch here: ``somatize.torch.Split`` fills the hole with tensors.
+
+A trainer stands in two positions around the node it trains — ``body:in`` before
+it, ``body`` after it — and both positions are the same object:
+
+    ... -> body:in -> body:computes -> body -> ...
+           enter(x)   the user's node  leave(y); later learn(dL/dy) -> dL/dx
+
+    class Greedy(Learning):
+        def leave(self, y, ctx): ...           # train on a local loss, here and now
+        def learn(self, signal, ctx): return None   # nothing goes back upstream
+
+Reaching a trainer is a forward like any other: the value handed to it is an
+``Envelope`` (told apart from an input by its type, one check), so a worker runs
+it without knowing that training exists.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._node import Ctx
+from ._values import Opaque, codec_for
+
+IN = ":in"  # the position before the node; the one after it keeps the node's own id
+COMPUTES = ":computes"  # where the user's node runs once a trainer stands around it
+
+
+class Envelope:
+    """A gradient on its way to a trainer; ``signal`` None says "no gradient for you".
+
+    ``then`` is an input carried in the same message (a gradient owed from the last
+    step, delivered with the next step's input: one round trip instead of two).
+    """
+
+    __slots__ = ("signal", "then", "carries")
+
+    def __init__(self, signal: Any = None, *, then: Any = None, carries: bool = False):
+        self.signal = signal
+        self.then = then
+        self.carries = carries or then is not None
+
+    def __getstate__(self):
+        return (self.signal, self.then, self.carries)
+
+    def __setstate__(self, state):
+        self.signal, self.then, self.carries = state
+
+    def __repr__(self) -> str:
+        what = "nothing" if self.signal is None else type(self.signal).__name__
+        return f"Envelope({what}{', then an input' if self.carries else ''})"
+
+
+def is_envelope(value: Any) -> bool:
+    """Whether a value is a gradient on its way back (a type check, nothing built)."""
+    return type(value) is Envelope
+
+
+class Learning:
+    """The learning hole: ``enter(x)`` at ``node:in``, ``leave(y)`` at ``node``, and
+    ``learn(dL/dy) -> dL/dx`` (None: nothing goes back).
+
+    Everything a rebuilt trainer reads is a class attribute, so an object unpickled
+    on a worker (``__init__`` is not called there) is whole.
+    """
+
+    node: Any = None  # the user's node it trains, set where the trainer is placed
+    feeds_back: bool = True  # whether anything upstream can take dL/dx
+
+    def enter(self, x: Any, ctx: Ctx) -> Any:
+        """Called with the node's input; returns what the node is handed."""
+        return x
+
+    def leave(self, y: Any, ctx: Ctx) -> Any:
+        """Called with the node's output; returns what the rest of the graph is handed."""
+        return y
+
+    def learn(self, signal: Any, ctx: Ctx) -> Any:
+        """Given dL/d(output) (None: no gradient this step), answer dL/d(input) or None."""
+        return None
+
+    def state_dict(self) -> dict:
+        """What this trainer holds beyond the node's weights (an optimizer's state)."""
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take back what ``state_dict`` gave."""
+
+    # -- standing in the graph: both positions call this one method ------------------
+    def forward(self, x: Any, ctx: Ctx):
+        from ._values import Done
+
+        trained, _, position = ctx.node.partition(":")
+        at = Ctx(trained, ctx.host, ctx.training)  # the hooks see the trained node's id
+        if type(x) is Envelope:
+            if position:  # node:in: the last step's gradient rides with this step's input
+                self.learn(x.signal, at)  # dL/dx of a root goes nowhere: dropped
+                return Done(_marked(self.enter(x.then, at)))
+            return Done(Envelope(self.learn(x.signal, at)))
+        if position:
+            return Done(_marked(self.enter(x, at)))
+        return Done(_marked(self.leave(x, at)))
+
+
+def _marked(value: Any) -> Any:
+    # what has a codec (a tensor) stays marked Opaque, as the user's node returned it
+    return Opaque(value) if codec_for(value) is not None else value
+
+
+def position_of(aug_id: str) -> str:
+    """The user's node id an id of the trained graph stands for (``body:in`` -> ``body``)."""
+    return aug_id.partition(":")[0]
+
+
+def around(graph, trains) -> Any:
+    """The graph as a training run sees it: each trainer in two positions around its node.
+
+    ``body`` becomes ``body:in -> body:computes -> body``; the id ``body`` stays with
+    the last position, so fan-in dicts downstream are keyed as they always were.
+    """
+    from ._graph import Graph, Placement
+
+    catalog: dict[str, Any] = {}
+    hosts: dict[str, str] = {}
+    edges: list[tuple[str, str]] = []
+    for n, node in graph.catalog.items():
+        host = graph.placement.get(n)
+        if n not in trains:
+            catalog[n] = node
+            ids = (n,)
+        else:
+            trainer = trains[n]
+            trainer.node = node
+            catalog[n + IN] = trainer
+            catalog[n + COMPUTES] = node
+            catalog[n] = trainer
+            ids = (n + IN, n + COMPUTES, n)
+            edges += [(n + IN, n + COMPUTES), (n + COMPUTES, n)]
+        if host is not None:
+            hosts.update(dict.fromkeys(ids, host))
+    for p, c in graph.edges:
+        edges.append((p, c + IN if c in trains else c))
+    return Graph(catalog, edges, Placement(hosts), graph.memory)
