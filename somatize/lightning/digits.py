@@ -1,0 +1,159 @@
+"""The example: an encoder (the body) and a classifier head on scikit-learn's digits
+(8x8 images shipped with scikit-learn, nothing downloaded), as a LightningModule.
+
+    model = DigitsModel(body_at="worker")          # placement is a request
+    lightning.Trainer(max_epochs=1).fit(model, DigitsData())                # one piece
+    lightning.Trainer(max_epochs=1, strategy="somatize").fit(model, DigitsData())  # split
+"""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from .._graph import Graph
+from .._node import Node
+from .._values import Done, Opaque
+from ..torch import GraphModule
+
+log = logging.getLogger(__name__)
+
+
+class Body(Node):
+    """The encoder: 64 pixels to ``hidden`` features."""
+
+    def __init__(self, hidden: int = 32):
+        self.lin = nn.Linear(64, hidden)
+
+    def forward(self, x, ctx):
+        return Done(Opaque(self.lin(x).relu()))
+
+    def parameters(self):
+        return list(self.lin.parameters())
+
+
+class Head(Node):
+    """The classifier: ``hidden`` features to ten digits' logits."""
+
+    def __init__(self, hidden: int = 32):
+        self.lin = nn.Linear(hidden, 10)
+
+    def forward(self, x, ctx):
+        return Done(Opaque(self.lin(x)))
+
+    def parameters(self):
+        return list(self.lin.parameters())
+
+
+def digits_graph(hidden: int = 32, body_at: str | None = "worker", frozen: bool = False,
+                 cached: bool = False, salt: str | None = None) -> Graph:
+    """The example's graph: ``Body().at(body_at) >> Head()``, the body maybe frozen and cached."""
+    body = Body(hidden).at(body_at)
+    if frozen:
+        body.frozen()
+    if cached:
+        body.cached(salt=salt)
+    return Graph.somatize(body >> Head(hidden))
+
+
+class DigitsModel(pl.LightningModule):
+    """Body and head trained with cross-entropy and SGD, knowing nothing of where they run.
+
+    Args:
+        hidden: the width of the encoder's output.
+        body_at: the worker the body asks to run on (only ``SomatizeStrategy`` obeys).
+        frozen, cached: declare the body ``.frozen()`` / ``.cached()`` (see ``SomatizeCache``).
+        body_from: a Lightning checkpoint to take the body's weights from.
+        lr, momentum: the SGD optimizer's hyper-parameters.
+    """
+
+    def __init__(self, hidden: int = 32, body_at: str | None = "worker", frozen: bool = False,
+                 cached: bool = False, body_from: str | None = None, lr: float = 0.1,
+                 momentum: float = 0.0):
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = GraphModule(digits_graph(hidden, body_at, frozen, cached))
+        if body_from:
+            state = torch.load(body_from, map_location="cpu", weights_only=True)["state_dict"]
+            prefix = "net.nodes.body."
+            self.net.nodes["body"].load_state_dict(
+                {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+            log.info("body weights taken from %s", body_from)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        self.log("val_loss", F.cross_entropy(logits, y))
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean(), prog_bar=True)
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("test_acc", (self.net(x).argmax(-1) == y).float().mean())
+
+    def predict_step(self, batch, batch_idx):
+        return self.net(batch[0]).argmax(-1)
+
+    def configure_optimizers(self):
+        params = [p for p in self.net.parameters() if p.requires_grad]
+        return torch.optim.SGD(params, lr=self.hparams.lr, momentum=self.hparams.momentum)
+
+
+class DigitsData(pl.LightningDataModule):
+    """scikit-learn's digits, scaled to [0, 1], split 80/20 with a fixed seed.
+
+    Args:
+        batch_size: samples per batch.
+        limit: keep only the first ``limit`` training samples (short tests).
+        seed: the split's and the shuffle's seed; each epoch's order depends on it alone,
+            so a run resumed at an epoch boundary sees the same batches.
+    """
+
+    def __init__(self, batch_size: int = 64, limit: int | None = None, seed: int = 0):
+        super().__init__()
+        self.batch_size = batch_size
+        self.limit = limit
+        self.seed = seed
+
+    def setup(self, stage: str | None = None) -> None:
+        from sklearn.datasets import load_digits
+
+        x, y = load_digits(return_X_y=True)
+        x = torch.tensor(x, dtype=torch.float32) / 16.0
+        y = torch.tensor(y, dtype=torch.int64)
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(self.seed))
+        cut = int(0.8 * len(x))
+        train, val = order[:cut], order[cut:]
+        if self.limit:
+            train = train[: self.limit]
+        self.train_set = TensorDataset(x[train], y[train])
+        self.val_set = TensorDataset(x[val], y[val])
+
+    def train_dataloader(self) -> DataLoader:
+        # an epoch-seeded order (set_epoch is called by Lightning), not the global RNG's
+        sampler = DistributedSampler(self.train_set, num_replicas=1, rank=0, shuffle=True,
+                                     seed=self.seed)
+        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_set, batch_size=256)
+
+    def test_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
+    def predict_dataloader(self) -> DataLoader:
+        return self.val_dataloader()
+
