@@ -438,7 +438,7 @@ class Guarded:
         return None
 
     def _said(self, op: str, e: Exception) -> None:
-        say_once(("keeper failed", id(self.keeper), op, type(e).__name__),
+        say_once(("keeper failed", type(self.keeper).__qualname__, op, type(e).__name__),
                  f"keeper {self.keeper!r}.{op} failed ({type(e).__name__}: {e}); the run "
                  "goes on as if nothing were kept (values are recomputed)")
 

@@ -1,0 +1,263 @@
+"""What is remembered, and what is not computed twice: the CU13 questionnaire through
+``g.forward(x, store=...)`` on a real directory store."""
+
+import json
+
+import pytest
+import torch
+from cache_nodes import RUNS, Encoder, FromHandle, Handle, Head, Pre, ToHandle, Tokenize
+
+from somatize import Graph, Opaque, Refused, cacheable, codec
+from somatize._engine import walk
+from somatize._keys import fingerprint, key_of_input, key_of_node
+from somatize._say import forget
+from somatize._values import Blob, _codecs
+from somatize.store import Store
+from somatize.torch import freeze
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    RUNS.clear()
+    forget()
+    yield
+    forget()
+
+
+@pytest.fixture
+def store(tmp_path):
+    return Store(tmp_path / "soma")
+
+
+def said(caplog) -> str:
+    return "\n".join(r.getMessage() for r in caplog.records)
+
+
+def settled(*nodes):
+    return freeze(Graph.somatize(nodes[0] if len(nodes) == 1 else _seq(nodes)))
+
+
+def _seq(nodes):
+    expr = nodes[0]
+    for n in nodes[1:]:
+        expr = expr >> n
+    return expr
+
+
+x = torch.arange(8.0).reshape(2, 4)
+
+
+# -- the core section of the questionnaire --
+
+def test_what_is_kept_is_not_computed_again_and_is_what_was_produced(store):
+    enc = Encoder()
+    g = settled(enc.frozen().cached(), Head())
+    y1 = g.forward(x, store=store)
+    y2 = g.forward(x, store=store.path)  # a path or the store itself: the same directory
+    assert RUNS == {"encoder": 1, "head": 2}
+    assert torch.equal(y1, y2)
+    (name,) = store.names()
+    assert torch.equal(store.get(name).value, enc.lin(x).detach())
+
+
+def test_a_different_input_is_a_different_name_and_the_node_runs(store):
+    g = settled(Encoder().frozen().cached(), Head())
+    g.forward(x, store=store)
+    g.forward(x + 1, store=store)
+    g.forward(x.clone(), store=store)  # the same content is the same name
+    assert RUNS["encoder"] == 2
+    assert len(list(store.names())) == 2
+
+
+def test_what_is_above_names_what_is_below(store):
+    # Pre keeps nothing; another state up there is another name for the encoder below
+    g1 = settled(Pre(seed=1).frozen(), Encoder().frozen().cached(), Head())
+    g2 = settled(Pre(seed=5).frozen(), Encoder().frozen().cached(), Head())
+    g1.forward(x, store=store)
+    g2.forward(x, store=store)
+    assert RUNS["encoder"] == 2
+    g1.forward(x, store=store)
+    assert RUNS["encoder"] == 2
+    assert len(list(store.names())) == 2
+
+
+def test_changing_the_head_does_not_touch_the_name_of_what_is_underneath(store):
+    enc = Encoder().frozen().cached()
+    settled(enc, Head(seed=2)).forward(x, store=store)
+    settled(enc, Head(seed=3)).forward(x, store=store)
+    assert RUNS == {"encoder": 1, "head": 2}
+
+
+def test_the_code_fingerprint_is_not_in_the_name_and_what_is_beside_is_what_produced_it(
+        store, caplog):
+    settled(Encoder().frozen().cached()).forward(x, store=store)
+    (entry,) = store.entries()
+    assert entry.meta["node"] == "encoder" and entry.meta["class"] == "Encoder"
+    assert json.loads(entry.meta["fingerprint"]) == fingerprint(Encoder)
+
+    class Encoder2(Encoder):  # the same name, another body
+        def forward(self, x, ctx):
+            RUNS["changed"] += 1
+            return super().forward(x, ctx)
+
+    Encoder2.__name__ = "Encoder"
+    y = settled(Encoder2().frozen().cached()).forward(x, store=store)
+    assert RUNS == {"encoder": 1}  # a hit: the code is not part of the name
+    assert torch.equal(y, store.get(entry.name).value)
+    text = said(caplog)
+    assert "'encoder'" in text and "Encoder2.forward" in text and "different code" in text
+
+
+def test_a_node_that_keeps_nothing_still_passes_its_name_on():
+    g = settled(Pre().frozen(), Tokenize().frozen(), Encoder().frozen().cached())
+    out = walk(g, g.plan.order, inputs={"pre": x}, naming=True)
+    assert set(out.keys) == {"pre", "tokenize", "encoder"}
+    assert all(out.keys.values())
+    assert out.keys["encoder"] == key_of_node("Encoder", g["encoder"]._soma_digest, None,
+                                              [("tokenize", out.keys["tokenize"])])
+
+
+def test_an_opaque_root_with_no_codec_leaves_everything_below_nameless_not_an_error(store):
+    g = settled(FromHandle().frozen(), Encoder().frozen().cached())
+    out = walk(g, g.plan.order, inputs={"fromhandle": Opaque(Handle(x))}, naming=True)
+    assert out.keys == {"fromhandle": None, "encoder": None}
+    y1 = g.forward(Opaque(Handle(x)), store=store)
+    y2 = g.forward(Opaque(Handle(x)), store=store)
+    assert torch.equal(y1, y2) and RUNS["encoder"] == 3
+    assert list(store.names()) == []
+
+
+class Counted:
+    """An input whose codec counts how often it is turned into bytes (hashed)."""
+
+    dumps = 0
+
+    def __init__(self, t):
+        self.t = t
+
+
+def _dump(c):
+    Counted.dumps += 1
+    return Blob("F32", tuple(c.t.shape), memoryview(c.t.numpy()).cast("B"))
+
+
+class Unwrap(Tokenize):
+    def forward(self, x, ctx):
+        return super().forward(x.t, ctx)
+
+
+def test_nothing_is_named_without_a_keeper(store):
+    codec("counted", Counted, dump=_dump, load=lambda b: None)
+    try:
+        g = settled(Unwrap().frozen(), Encoder().frozen().cached())
+        Counted.dumps = 0
+        g.forward(Counted(x))
+        assert Counted.dumps == 0  # no keeper: the input is not even hashed
+        assert walk(g, g.plan.order, inputs={"unwrap": Counted(x)}).keys == {}
+        g.forward(Counted(x), store=store)
+        assert Counted.dumps == 1
+    finally:
+        _codecs.pop("counted")
+
+
+def test_cacheable_names_the_cached_node_and_the_ancestor_that_can_still_change(store):
+    g = Graph.somatize(Pre() >> Encoder().frozen().cached() >> Head())
+    with pytest.raises(Refused, match="'encoder'.*'pre'"):
+        cacheable(g)
+    # asked wherever a cache is declared: with no store at all too (the review's third bug)
+    with pytest.raises(Refused, match="'encoder'.*'pre'"):
+        g.forward(x)
+    assert RUNS == {}  # before anything ran
+    g2 = Graph.somatize(Encoder().cached() >> Head())
+    with pytest.raises(Refused, match="'encoder' is .cached.* itself"):
+        g2.forward(x, store=store)
+
+
+def test_at_inference_the_whole_settled_prefix_is_cacheable(store):
+    g = settled(Pre().frozen().cached(), Tokenize().frozen().cached(),
+                Encoder().frozen().cached())
+    cacheable(g)
+    g.forward(x, store=store)
+    g.forward(x, store=store)
+    assert RUNS == {"pre": 1, "tokenize": 1, "encoder": 1}
+    assert len(list(store.names())) == 3
+
+
+def test_the_names_a_slice_brings_are_not_the_names_it_gives():
+    g = settled(Encoder().frozen(), Head())
+    brought = key_of_node("Encoder", "some digest", None, [("", key_of_input(x))])
+    out = walk(g, ["head"], given={"encoder": Opaque(torch.ones(2, 3))},
+               given_keys={"encoder": brought}, naming=True)
+    assert out.keys["encoder"] == brought
+    assert out.keys["head"] == key_of_node("Head", None, None, [("encoder", brought)])
+    assert out.keys["head"] != brought
+
+
+# -- what the store's users see through a run --
+
+def test_cached_with_no_store_still_runs_and_says_nothing_is_kept(caplog):
+    g = settled(Encoder().frozen().cached(), Head())
+    g.forward(x)
+    g.forward(x)
+    assert RUNS == {"encoder": 2, "head": 2}
+    assert said(caplog).count("nothing is kept") == 1
+
+
+def test_a_keeper_that_fails_never_kills_the_run(caplog):
+    class Broken:
+        def get_many(self, names):
+            raise OSError(28, "No space left on device")
+
+        def put(self, name, value, meta=None):
+            raise PermissionError(13, "Permission denied")
+
+    g = settled(Encoder().frozen().cached(), Head())
+    y = g.forward(x, store=Broken())
+    assert torch.equal(g.forward(x, store=Broken()), y)
+    assert RUNS["encoder"] == 2
+    assert torch.equal(y, settled(Encoder().frozen(), Head()).forward(x))
+    text = said(caplog)
+    assert text.count("get_many failed") == 1 and text.count("put failed") == 1
+
+
+def test_a_store_on_a_bad_path_never_kills_the_run(tmp_path, caplog):
+    (tmp_path / "file").write_text("")
+    y = settled(Encoder().frozen().cached(), Head()).forward(x, store=tmp_path / "file")
+    assert y.shape == (2, 2) and "cannot keep" in said(caplog)
+
+
+def test_a_corrupted_value_is_recomputed_in_a_run(store, caplog):
+    g = settled(Encoder().frozen().cached(), Head())
+    y = g.forward(x, store=store)
+    (blob, _), = store.blobs()
+    path = store.blob_path(blob)
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    assert torch.equal(g.forward(x, store=store), y)
+    assert RUNS["encoder"] == 2 and "damaged" in said(caplog)
+    assert torch.equal(g.forward(x, store=store), y)  # kept again, whole
+    assert RUNS["encoder"] == 2
+
+
+def test_an_output_with_no_codec_is_not_kept_and_stderr_says_why_once(store, caplog):
+    g = Graph.somatize(ToHandle().frozen().cached() >> FromHandle())
+    g.forward(x, store=store)
+    g.forward(x, store=store)
+    assert RUNS["tohandle"] == 2 and list(store.names()) == []
+    assert said(caplog).count("Handle has no codec") == 1
+
+
+def test_training_above_a_kept_value_trains_the_head_only(store):
+    # what comes back from the store is a leaf: the backward pass stops at it
+    head = Head()
+    g = settled(Encoder().frozen().cached(), head)
+    for _ in range(2):
+        head.lin.weight.grad = None
+        y = g.forward(x, store=store, training=True)
+        y.sum().backward()
+        assert head.lin.weight.grad is not None
+    assert RUNS["encoder"] == 1
+    assert g["encoder"].lin.weight.grad is None
+    kept = store.get(next(store.names())).value
+    assert kept.is_leaf and not kept.requires_grad
