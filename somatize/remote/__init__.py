@@ -1,0 +1,20 @@
+"""Workers: a stretch of the graph runs in another process, over torch.distributed.rpc.
+
+    g = Graph.somatize(Body().at("gpu") >> Head())
+    g.forward(x)                                        # "gpu": a local process, embedded
+    g.forward(x, workers={"gpu": Worker.at("node3:7000")})   # a standing daemon there
+    serve_if_worker()                                   # torchrun: ranks >= 1 serve
+
+A worker runs the code it is sent: the graph travels pickled, and classes defined
+in the script's ``__main__`` travel by value (cloudpickle); classes from modules
+travel by reference, so those modules must be importable over there (an embedded
+worker sees this process's ``sys.path``; a standing one needs them installed or on
+its ``PYTHONPATH``). Make a worker reachable only by whom you trust.
+"""
+
+from ._group import configure
+from ._runtime import Runtime, runtime_for
+from ._torchrun import serve_if_worker
+from ._worker import Worker
+
+__all__ = ["Runtime", "Worker", "configure", "runtime_for", "serve_if_worker"]

@@ -1,0 +1,394 @@
+"""The one RPC group of this process: the coordinator is rank 0 and hosts the
+rendezvous; worker processes join and leave it (dynamic membership), and are
+shared by every runtime of the process, each runtime with its own session.
+
+    configure(timeout=30, transports=["uv"])   # before the first run, if at all
+    peer = group().peer("gpu", Worker())        # starts (or reuses) the worker
+
+torch.distributed.rpc cannot be initialised twice in one process (pytorch#46491):
+the agent is started once, at first use, and shut down at interpreter exit.
+
+Transport: ``uv`` by default. TensorPipe's shared-memory transport keeps a thread
+spinning a whole core in every process, even idle; ``uv`` does not, and on loopback
+it measures within a few percent of it (``scripts/bench_remote.py``). Processes
+started here get ``THP_MEM_ALLOC_ENABLE=1`` (huge pages: large tensors are received
+about three times faster) and ``TP_SOCKET_IFNAME=lo`` (they listen on loopback).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from .._errors import WorkerError
+from ._worker import DEFAULT_TIMEOUT, Worker
+
+log = logging.getLogger(__name__)
+
+COORDINATOR = "coordinator"
+_settings: dict[str, Any] = {
+    "listen": "127.0.0.1",  # where the rendezvous and the coordinator listen
+    "transports": ["uv"],
+    "channels": None,  # TensorPipe's own choice
+    "rpc_threads": 16,
+    "timeout": DEFAULT_TIMEOUT,
+}
+
+
+def configure(**settings: Any) -> None:
+    """Set the group's transport options before the first run starts it.
+
+    Args:
+        listen: the address the coordinator binds (``"127.0.0.1"``); workers on other
+            machines need one they can reach (and ``TP_SOCKET_IFNAME`` set to its
+            interface).
+        transports: TensorPipe transports, e.g. ``["uv"]`` or ``["shm", "uv"]``.
+        channels: TensorPipe channels, e.g. ``["basic"]`` (None: TensorPipe's choice).
+        rpc_threads: threads each process serves calls with.
+        timeout: seconds a join or a shutdown may take.
+    """
+    unknown = set(settings) - set(_settings)
+    if unknown:
+        raise WorkerError(f"configure() knows {sorted(_settings)}, not {sorted(unknown)}")
+    if _group is not None and _group.started:
+        raise WorkerError("configure() must be called before the first run starts RPC in "
+                          "this process (it cannot be restarted: pytorch#46491)")
+    _settings.update(settings)
+
+
+def backend_options(init_method: str, opts: dict):
+    """The TensorPipe options every process of the group is started with."""
+    import torch.distributed.rpc as rpc
+
+    kw: dict[str, Any] = {}
+    if opts.get("transports"):
+        kw["_transports"] = list(opts["transports"])
+    if opts.get("channels"):
+        kw["_channels"] = list(opts["channels"])
+    return rpc.TensorPipeRpcBackendOptions(
+        init_method=init_method, num_worker_threads=opts.get("rpc_threads", 16),
+        rpc_timeout=opts.get("timeout", DEFAULT_TIMEOUT), **kw)
+
+
+@dataclass
+class Peer:
+    """A worker process in the group, shared by the runtimes that use it."""
+
+    name: str  # its RPC name
+    host: str  # the host name the graph places nodes on
+    kind: str
+    timeout: float
+    proc: subprocess.Popen | None = None
+    conn: socket.socket | None = None  # to a standing daemon, held for the run
+    keeps: bool = False
+    pid: int | None = None
+    users: int = 0
+    dead: str | None = None  # why it is gone, once it is
+    key: tuple = field(default=())
+
+    def why_dead(self) -> str | None:
+        """Why this worker is gone (None while it may be alive)."""
+        if self.dead is None and self.proc is not None and self.proc.poll() is not None:
+            self.dead = f"its process (pid {self.proc.pid}) exited with code {self.proc.returncode}"
+        return self.dead
+
+
+class Group:
+    """This process's RPC agent and the worker processes it knows."""
+
+    def __init__(self):
+        self.started = False
+        self.static: dict[str, int] | None = None  # torchrun: rank of each host
+        self.world = 0
+        self.join = ""
+        self.next_rank = 1
+        self.taken: set[str] = {COORDINATOR}
+        self.peers: dict[tuple, Peer] = {}
+        self.lock = threading.RLock()
+        self.runtimes: weakref.WeakSet = weakref.WeakSet()
+
+    # -- the agent ----------------------------------------------------------------
+    def start(self) -> None:
+        with self.lock:
+            if self.started:
+                return
+            import torch.distributed.rpc as rpc
+
+            if self.static is not None:  # torchrun: every rank is known, MASTER_* set
+                rpc.init_rpc(COORDINATOR, rank=0, world_size=self.world,
+                             rpc_backend_options=backend_options("env://", _settings))
+            else:
+                host = _settings["listen"]
+                if _loopback(host) and "TP_SOCKET_IFNAME" not in os.environ:
+                    os.environ["TP_SOCKET_IFNAME"] = _loopback_iface()
+                port = self._rendezvous(host)
+                self.join = f"tcp://{host}:{port}"
+                rpc.init_rpc(COORDINATOR, rank=0, world_size=None,
+                             rpc_backend_options=backend_options(f"somatize://{host}:{port}",
+                                                                 _settings))
+            self.started = True
+            atexit.register(self.shutdown)
+            log.debug("RPC group started (%s)", self.join or "torchrun")
+
+    def _rendezvous(self, host: str) -> int:
+        # torch's tcp:// rendezvous listens on every interface; ours binds where we say
+        import importlib
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+
+        self._socket = socket.create_server((host, 0), backlog=128)
+        port = self._socket.getsockname()[1]
+        self._store = dist.TCPStore(host, port, None, True, timedelta(seconds=_settings["timeout"]),
+                                    wait_for_workers=False, master_listen_fd=self._socket.fileno())
+
+        def handler(url, **kw):
+            yield self._store, 0, -1
+
+        # the module, not the function torch.distributed re-exports under the same name
+        rdv = importlib.import_module("torch.distributed.rendezvous")
+        rdv.register_rendezvous_handler("somatize", handler)
+        return port
+
+    def names(self) -> set[str]:
+        from torch.distributed.rpc.api import _get_current_rpc_agent
+
+        return {w.name for w in _get_current_rpc_agent().get_worker_infos()}
+
+    # -- workers ------------------------------------------------------------------
+    def peer(self, host: str, spec: Worker) -> Peer:
+        """The worker process serving ``host`` as ``spec`` says, started if need be."""
+        self.start()
+        key = (spec.kind, spec.address or spec.rank_ or (host, spec.store, spec.threads))
+        with self.lock:
+            p = self.peers.get(key)
+            if p is not None and p.why_dead() is None:
+                p.users += 1
+                return p
+            if spec.kind == "torchrun":
+                p = self._ranked(host, spec)
+            else:
+                p = self._spawn(host, spec)
+            p.key = key
+            p.users += 1
+            self.peers[key] = p
+            return p
+
+    def _name(self, host: str) -> str:
+        name, k = host, 1
+        while name in self.taken:  # an RPC name is never reused in one group
+            k += 1
+            name = f"{host}-{k}"
+        self.taken.add(name)
+        return name
+
+    def _ranked(self, host: str, spec: Worker) -> Peer:
+        if self.static is None:
+            raise WorkerError(
+                f"Worker.rank({spec.rank_}) for host {host!r}, but this process was not "
+                "started by torchrun: call somatize.remote.serve_if_worker() first thing in "
+                "the script, and launch it with torchrun --nproc-per-node=N"
+            )
+        from torch.distributed.rpc.api import _get_current_rpc_agent
+
+        by_rank = {w.id: w.name for w in _get_current_rpc_agent().get_worker_infos()}
+        if spec.rank_ not in by_rank:
+            raise WorkerError(
+                f"host {host!r} is served by rank {spec.rank_}, but the run has ranks "
+                f"{sorted(by_rank)}: launch with --nproc-per-node={spec.rank_ + 1} or more"
+            )
+        return Peer(by_rank[spec.rank_], host, "torchrun", spec.timeout)
+
+    def _spawn(self, host: str, spec: Worker) -> Peer:
+        name, rank = self._name(host), self.next_rank
+        self.next_rank += 1
+        cmd = ["--name", name, "--rank", str(rank), "--join", self.join,
+               "--options", json.dumps({k: v for k, v in _settings.items() if k != "listen"}),
+               "--threads", str(spec.threads or _threads_here())]
+        if spec.kind == "standing":
+            p = Peer(name, host, "standing", spec.timeout)
+            p.conn, reply = _ask_daemon(spec.address, host, cmd, spec.timeout)
+            p.pid = reply.get("pid")
+        else:
+            if spec.store is not None:
+                cmd += ["--store", spec.store]
+            p = Peer(name, host, "embedded", spec.timeout)
+            p.proc = subprocess.Popen([sys.executable, "-m", "somatize.remote", *cmd],
+                                      stdin=subprocess.PIPE, env=_child_env())
+            p.pid = p.proc.pid
+        return p
+
+    def wait_joined(self, peers: list[Peer]) -> None:
+        """Wait until each of ``peers`` has joined the group (or say why it did not)."""
+        todo = [p for p in peers if p.kind != "torchrun"]
+        start = time.monotonic()
+        while todo:
+            names = self.names()
+            todo = [p for p in todo if p.name not in names]
+            for p in todo:
+                if p.why_dead() is not None:
+                    self._drop(p)
+                    raise WorkerError(
+                        f"worker {p.host!r} ({p.kind}) did not join the run: {p.dead}; its "
+                        "stderr is above"
+                    )
+                if time.monotonic() - start > p.timeout:
+                    self.stop(p, force=True)
+                    raise WorkerError(
+                        f"worker {p.host!r} ({p.kind}) did not join the run within "
+                        f"{p.timeout:g} s: raise Worker(timeout=...) or check that it can "
+                        f"reach {self.join}"
+                    )
+            if todo:
+                time.sleep(0.02)
+
+    def release(self, p: Peer) -> None:
+        """One runtime is done with ``p``; the last one stops it (torchrun ranks stay)."""
+        with self.lock:
+            p.users -= 1
+            if p.users <= 0 and p.kind != "torchrun":
+                self.stop(p)
+
+    def stop(self, p: Peer, force: bool = False) -> None:
+        """Ask the worker to leave and exit; kill it if it does not, in bounded time."""
+        import torch.distributed.rpc as rpc
+
+        from . import _serve
+
+        self._drop(p)
+        if p.why_dead() is None and not force:
+            try:
+                rpc.rpc_sync(p.name, _serve.stop, timeout=min(p.timeout, 10.0))
+            except Exception as e:
+                log.warning("worker %r did not take the stop: %s", p.host, e)
+                force = True
+        if p.proc is not None:
+            if p.proc.stdin:
+                p.proc.stdin.close()
+            try:
+                p.proc.wait(timeout=0.1 if force else min(p.timeout, 20.0))
+            except subprocess.TimeoutExpired:
+                log.warning("worker %r (pid %d) did not exit: killing it", p.host, p.proc.pid)
+                p.proc.kill()
+                p.proc.wait(timeout=10)
+        elif p.kind == "standing" and not force:
+            deadline = time.monotonic() + min(p.timeout, 20.0)
+            while p.name in self.names() and time.monotonic() < deadline:
+                time.sleep(0.02)
+        if p.conn is not None:  # the daemon ends whatever is left of this run
+            p.conn.close()
+            p.conn = None
+        if p.why_dead() is not None or force:
+            self.forget(p)
+
+    def forget(self, p: Peer) -> None:
+        """Take a dead worker out of the group, so later ones can still join."""
+        try:
+            from torch.distributed.rpc.api import _get_current_rpc_agent
+
+            agent = _get_current_rpc_agent()
+            info = agent.get_worker_info(p.name)
+            agent._update_group_membership(info, [], {}, False)
+        except Exception as e:  # it may never have joined
+            log.debug("forgetting %r: %s", p.name, e)
+
+    def _drop(self, p: Peer) -> None:
+        with self.lock:
+            if self.peers.get(p.key) is p:
+                del self.peers[p.key]
+
+    def shutdown(self) -> None:
+        """Close every runtime, stop every worker, leave RPC (at interpreter exit)."""
+        import torch.distributed.rpc as rpc
+
+        for rt in list(self.runtimes):
+            try:
+                rt.close()
+            except Exception as e:
+                log.warning("closing a runtime at exit: %s", e)
+        for p in list(self.peers.values()):
+            if p.kind != "torchrun":
+                self.stop(p)
+        if self.started:
+            self.started = False
+            try:
+                # a torchrun group ends together; a dynamic one has nobody left to wait for
+                rpc.shutdown(graceful=self.static is not None, timeout=_settings["timeout"])
+            except Exception as e:
+                log.warning("RPC shutdown: %s", e)
+
+
+_group: Group | None = None
+
+
+def group() -> Group:
+    """This process's group (not started until a worker is needed)."""
+    global _group
+    if _group is None:
+        _group = Group()
+    return _group
+
+
+def _threads_here() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # must be set before torch is imported
+    env["TP_SOCKET_IFNAME"] = os.environ.get("TP_SOCKET_IFNAME") or _loopback_iface()
+    # what imports here imports there: the script's directory and every path of this process
+    paths = [os.path.abspath(p or os.getcwd()) for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+def _ask_daemon(address: str, host: str, cmd: list[str], timeout: float):
+    where, _, port = address.rpartition(":")
+    if not _loopback(where) and _loopback(_settings["listen"]):
+        raise WorkerError(
+            f"worker {host!r} at {address} is on another machine, but this coordinator "
+            "listens on loopback only: call somatize.remote.configure(listen='<an address "
+            "it can reach>') and set TP_SOCKET_IFNAME to that interface"
+        )
+    try:
+        conn = socket.create_connection((where, int(port)), timeout=timeout)
+        conn.sendall(json.dumps({"serve": cmd}).encode() + b"\n")
+        line = conn.makefile("rb").readline()
+        reply = json.loads(line or b"{}")
+    except (OSError, ValueError) as e:
+        raise WorkerError(
+            f"worker {host!r}: no standing worker answered at {address} ({e}). Start one "
+            f"there with `python -m somatize.worker --name {host} --listen {address}`"
+        ) from None
+    if "error" in reply or "pid" not in reply:
+        conn.close()
+        raise WorkerError(f"worker {host!r} at {address} refused the run: "
+                          f"{reply.get('error', 'no answer')}")
+    conn.settimeout(None)
+    return conn, reply
+
+
+def _loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _loopback_iface() -> str:
+    for _, name in socket.if_nameindex():
+        if name.startswith("lo"):
+            return name
+    return "lo"
+

@@ -1,0 +1,215 @@
+"""A runtime: the workers one Graph (or Trainer) runs on, with its own session on each.
+
+    rt = runtime_for(g, {"gpu": Worker.at("127.0.0.1:7000")})
+    rt.provision(g)                      # the whole graph, to every worker
+    rt.submit(stretch).result()          # an Outcome; what cannot travel is Left
+    rt.call("gpu", lambda live: live["body"].lin.weight.clone())
+    rt.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from .. import _errors
+from .._errors import Refused, SomatizeError, WorkerError
+from .._node import kind_of
+from ._group import Peer, group
+from ._serve import Failed
+from ._wire import dumps
+from ._worker import Worker
+
+log = logging.getLogger(__name__)
+
+
+class Runtime:
+    """The workers a graph's placed nodes run on; ``close()`` stops what it started."""
+
+    def __init__(self, graph, workers: Mapping[str, Any] | None = None):
+        self.graph = graph
+        self.workers = dict(workers or {})
+        self.session = uuid.uuid4().hex[:12]
+        self.peers: dict[str, Peer] = {}
+        self.provisioned: set[str] = set()
+        self.closed = False
+        self._lock = threading.Lock()
+        group().runtimes.add(self)
+
+    # -- workers ------------------------------------------------------------------
+    def spec(self, host: str) -> Worker:
+        """How ``host``'s worker is had: as given, else torchrun's rank, else embedded."""
+        w = self.workers.get(host)
+        if isinstance(w, str):
+            return Worker.at(w)
+        if isinstance(w, Worker):
+            return w
+        if w is not None:
+            raise WorkerError(f"workers[{host!r}] is a {type(w).__name__}: give a Worker, "
+                              "e.g. Worker.at('127.0.0.1:7000'), or leave it out")
+        ranks = group().static
+        if ranks is not None:
+            hosts = self.graph.placement.workers()
+            return Worker.rank(ranks.get(host, hosts.index(host) + 1)
+                               if host in hosts else ranks[host])
+        return Worker.embedded()
+
+    def start(self, hosts=None) -> list[Peer]:
+        """Start (or reuse) the workers of ``hosts`` (default: every host the graph uses)."""
+        if self.closed:
+            raise WorkerError("this runtime is closed: run the graph again to start a new one")
+        with self._lock:
+            hosts = list(hosts if hosts is not None else self.graph.placement.workers())
+            fresh = [h for h in hosts if h not in self.peers]
+            for h in fresh:
+                self.peers[h] = group().peer(h, self.spec(h))
+            group().wait_joined([self.peers[h] for h in fresh])
+            for h in fresh:
+                p = self.peers[h]
+                info = self._rpc(p, "greeting it", _serve_fn("hello"), ())
+                p.keeps, p.pid = info["keeps"], info["pid"]
+            return [self.peers[h] for h in hosts]
+
+    def keeps(self) -> bool:
+        """Whether any worker of the run keeps what it runs (then values are named)."""
+        return any(p.keeps for p in self.start())
+
+    # -- what travels -------------------------------------------------------------
+    def provision(self, graph=None) -> None:
+        """Send the whole graph to every worker it uses; refused over a different catalog."""
+        if graph is not None and graph is not self.graph:
+            self.graph, self.provisioned = graph, set()
+        graph = self.graph
+        catalog = {n: kind_of(o) for n, o in graph.catalog.items()}
+        blob = dumps(graph)
+        peers = self.start()
+        futs = [(p, self._async(p, _serve_fn("provision"), (self.session, blob, catalog)))
+                for p in peers]
+        for p, f in futs:
+            self._answer(p, "provisioning the graph", f)
+            self.provisioned.add(p.host)
+
+    def submit(self, stretch) -> _Pending:
+        """Send a stretch to its worker; ``.result()`` is its Outcome."""
+        if stretch.host not in self.provisioned:
+            self.provision()
+        p = self.peers[stretch.host]
+        what = f"running {', '.join(stretch.nodes)}"
+        return _Pending(self, p, what, self._async(p, _serve_fn("run"), (self.session, stretch)))
+
+    def call(self, host: str, fn, *args: Any, **kw: Any) -> Any:
+        """Run ``fn(live_graph, *args, **kw)`` on ``host``'s worker and return its result."""
+        if host not in self.provisioned:
+            self.provision()
+        if host not in self.peers:
+            raise WorkerError(f"no worker {host!r} in this run: the graph places nodes on "
+                              f"{list(self.peers)}")
+        p = self.peers[host]
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        return self._rpc(p, f"calling {name}", _serve_fn("call"),
+                         (self.session, dumps(fn), args, kw))
+
+    def close(self) -> None:
+        """Close this run's sessions and stop the workers nobody else uses (idempotent)."""
+        if self.closed:
+            return
+        self.closed = True
+        import torch.distributed.rpc as rpc
+
+        for p in self.peers.values():
+            if p.why_dead() is None and group().started:
+                try:
+                    rpc.rpc_sync(p.name, _serve_fn("close"), args=(self.session,),
+                                 timeout=min(p.timeout, 10.0))
+                except Exception as e:
+                    log.warning("worker %r: closing session: %s", p.host, e)
+            group().release(p)
+        self.peers.clear()
+
+    def __enter__(self) -> Runtime:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- calls --------------------------------------------------------------------
+    def _async(self, p: Peer, fn, args: tuple):
+        import torch.distributed.rpc as rpc
+
+        return rpc.rpc_async(p.name, fn, args=args, timeout=p.timeout)
+
+    def _rpc(self, p: Peer, what: str, fn, args: tuple) -> Any:
+        return self._answer(p, what, self._async(p, fn, args))
+
+    def _answer(self, p: Peer, what: str, fut) -> Any:
+        try:
+            got = fut.wait()
+        except Exception as e:
+            raise self._failure(p, what, e) from None
+        if isinstance(got, Failed):
+            raise _raised_over_there(p, what, got)
+        return got
+
+    def _failure(self, p: Peer, what: str, e: Exception) -> WorkerError:
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        dead = p.why_dead()
+        if dead is None and ("timed out" in msg.lower() or "timeout" in msg.lower()):
+            return WorkerError(
+                f"worker {p.host!r} did not answer within {p.timeout:g} s while {what}: "
+                f"raise its timeout (Worker(timeout=...)) if that is expected ({msg})"
+            )
+        if dead is None:
+            dead = f"it is unreachable ({msg})"
+        group().forget(p)
+        return WorkerError(
+            f"worker {p.host!r} ({p.kind}, pid {p.pid}) was lost while {what}: {dead}. "
+            "Its state over there is gone; close the graph (g.close()) and run again"
+        )
+
+
+class _Pending:
+    """A stretch in flight; ``result()`` waits for its Outcome (or raises WorkerError)."""
+
+    def __init__(self, rt: Runtime, peer: Peer, what: str, fut):
+        self.rt, self.peer, self.what, self.fut = rt, peer, what, fut
+
+    def result(self):
+        return self.rt._answer(self.peer, self.what, self.fut)
+
+
+def _raised_over_there(p: Peer, what: str, f: Failed) -> SomatizeError:
+    at = f"node {f.node!r}" if f.node else what
+    trace = f"\n--- traceback on worker {p.host!r} (pid {p.pid}) ---\n{f.trace}" if f.trace else ""
+    cls = getattr(_errors, f.error, None)
+    if isinstance(cls, type) and issubclass(cls, SomatizeError) and cls is not WorkerError:
+        return cls(f"on worker {p.host!r}: {f.message}{trace}")
+    if f.error == "Refused":
+        return Refused(f"worker {p.host!r}: {f.message}")
+    return WorkerError(
+        f"{at} raised {f.error} on worker {p.host!r}: {f.message}{trace}"
+    )
+
+
+def _serve_fn(name: str):
+    from . import _serve
+
+    return getattr(_serve, name)
+
+
+def runtime_for(graph, workers: Mapping[str, Any] | None = None) -> Runtime:
+    """The runtime of ``graph`` (kept on it, so a second forward reuses its workers)."""
+    rt = graph._runtime
+    if rt is not None and not rt.closed and (not workers or dict(workers) == rt.workers):
+        return rt
+    if rt is not None:
+        rt.close()
+    unknown = set(workers or {}) - set(graph.placement.workers())
+    if unknown:
+        log.info("workers %s are given but the graph places no node on them", sorted(unknown))
+    rt = Runtime(graph, workers)
+    graph._runtime = rt
+    return rt
+

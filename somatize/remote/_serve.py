@@ -1,0 +1,188 @@
+"""The serving side: a worker process holds one live graph per session and runs the
+stretches it is told to run. It is dumb: nothing here knows that training exists.
+
+    python -m somatize.remote --name gpu --rank 1 --join tcp://127.0.0.1:29500
+
+The functions below are what the coordinator calls over RPC; each answers a value
+or a ``Failed`` (never raises), so the coordinator can name the worker and the node.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import threading
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+_sessions: dict[str, Any] = {}  # session id -> the live graph it was provisioned with
+_keeper: Any = None  # opened from --store; it belongs to whoever runs this worker
+_stop = threading.Event()
+_lock = threading.Lock()
+
+
+@dataclass(frozen=True)
+class Failed:
+    """What a worker answers instead of raising: the node at fault and the traceback."""
+
+    node: str | None
+    error: str  # the exception's class name
+    message: str
+    trace: str
+
+
+def hello() -> dict:
+    """Who this worker is: whether it keeps, its pid, its math threads."""
+    import torch
+
+    return {"keeps": _keeper is not None, "pid": os.getpid(),
+            "threads": torch.get_num_threads()}
+
+
+def noop() -> None:
+    """Nothing: what a bare round trip costs."""
+
+
+def provision(session: str, blob: bytes, catalog: dict[str, str]) -> Failed | None:
+    """Hold the graph pickled in ``blob`` under ``session`` (refusing a different catalog)."""
+    with _lock:
+        live = _sessions.get(session)
+        if live is not None:
+            have = _catalog_of(live)
+            if have != catalog:
+                return Failed(None, "Refused", (
+                    f"this worker holds session {session} with catalog {have}; it refuses "
+                    f"the different catalog {catalog}. Close the graph or trainer first "
+                    "(g.close()) to provision another"), "")
+            return None  # the same catalog: what lives here (and its state) stays
+        try:
+            import cloudpickle
+
+            graph = cloudpickle.loads(blob)
+        except Exception as e:
+            return Failed(None, type(e).__name__, (
+                f"the graph could not be unpickled here ({e}): a class it uses must be "
+                "importable on this worker (define it in __main__ to send it by value)"),
+                traceback.format_exc())
+        _sessions[session] = graph
+    return None
+
+
+def close(session: str) -> None:
+    """Forget the session's graph (and every object that lived in it)."""
+    with _lock:
+        _sessions.pop(session, None)
+
+
+def run(session: str, stretch: Any) -> Any:
+    """Walk ``stretch`` over the session's graph; answer with what can travel."""
+    from .._engine import walk
+    from ._wire import resolve, travelling
+
+    graph = _sessions.get(session)
+    if graph is None:
+        return Failed(None, "WorkerError", f"no session {session} here: provision it first",
+                      "")
+    try:
+        given = {p: resolve(v) for p, v in stretch.given.items()}
+        out = walk(graph, stretch.nodes, inputs=stretch.inputs, given=given,
+                   given_keys=stretch.given_keys, here=stretch.host, keeper=_keeper,
+                   naming=stretch.naming, training=stretch.training,
+                   wanted=stretch.wanted)
+    except BaseException as e:  # answered, never raised: the coordinator names the node
+        return Failed(_failing_node(e), type(e).__name__, str(e), traceback.format_exc())
+    return travelling(graph, out, stretch)
+
+
+def call(session: str, fn_blob: bytes, args: tuple, kw: dict) -> Any:
+    """Run ``fn(live_graph, *args, **kw)`` against the session's graph; answer its result."""
+    import cloudpickle
+
+    graph = _sessions.get(session)
+    if graph is None:
+        return Failed(None, "WorkerError", f"no session {session} here: provision it first",
+                      "")
+    try:
+        fn = cloudpickle.loads(fn_blob)
+        return fn(graph, *args, **kw)
+    except BaseException as e:
+        return Failed(None, type(e).__name__, str(e), traceback.format_exc())
+
+
+def stop() -> None:
+    """Leave the group and exit (the main thread does it once this call has answered)."""
+    _stop.set()
+
+
+def _catalog_of(graph) -> dict[str, str]:
+    from .._node import kind_of
+
+    return {n: kind_of(o) for n, o in graph.catalog.items()}
+
+
+def _failing_node(e: BaseException) -> str | None:
+    # the innermost engine frame running a node names it
+    tb, node = e.__traceback__, None
+    while tb is not None:
+        f = tb.tb_frame
+        if f.f_code.co_name == "run_node" and "node_id" in f.f_locals:
+            node = f.f_locals["node_id"]
+        tb = tb.tb_next
+    return node
+
+
+def _watch_stdin() -> None:
+    # the coordinator (or the daemon) holds our stdin: end of file means it is gone
+    try:
+        while sys.stdin.buffer.read(1 << 16):
+            pass
+    except (OSError, ValueError):
+        pass
+    if not _stop.is_set():
+        log.warning("the coordinator went away: this worker exits")
+        os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Join the run's RPC group under ``--name`` and serve until told to stop."""
+    ap = argparse.ArgumentParser(prog="python -m somatize.remote")
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--join", required=True, help="the rendezvous, tcp://HOST:PORT")
+    ap.add_argument("--options", default="{}", help="the group's transport options (JSON)")
+    ap.add_argument("--store", default=None)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format=f"worker {args.name}: %(message)s")
+    threading.Thread(target=_watch_stdin, daemon=True, name="somatize-stdin").start()
+
+    import torch
+    import torch.distributed.rpc as rpc
+
+    from ._group import backend_options
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    global _keeper
+    if args.store:
+        from ..store import open_keeper
+
+        _keeper = open_keeper(args.store)
+    import somatize.torch  # noqa: F401  (registers the tensor codec the keeper uses)
+
+    opts = json.loads(args.options)
+    rpc.init_rpc(args.name, rank=args.rank, world_size=None,
+                 rpc_backend_options=backend_options(args.join, opts))
+    _stop.wait()
+    try:
+        rpc.shutdown(graceful=True, timeout=opts.get("timeout", 60.0))
+    except Exception as e:  # leaving cleanly is best effort; exiting is not
+        log.warning("leaving the group failed: %s", e)
+    return 0
+
