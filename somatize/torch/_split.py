@@ -9,7 +9,8 @@ answers dL/d(input) to whoever fed it.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -68,6 +68,8 @@ class Trainer:
         _refuse(graph, self.trains, optimizer)
         if graph.memory.frozen:
             freeze(graph)
+        if graph.memory.cached:
+            cacheable(graph)  # the prefix rule, once what is frozen is settled
         check_settled(graph)
         self.keeper = open_keeper(store)
         self.staged = bool(self.trains)
@@ -140,53 +142,55 @@ class Trainer:
                 inputs[r + IN] = Envelope(self._owed.pop(r), then=x, carries=True)
             else:
                 inputs[r + IN if r in self.trains else r] = x
-        handed: dict[str, Any] = {}  # value of each node as the later stages were handed it
-        leaves: dict[str, torch.Tensor] = {}  # the leaves made of trainers' outputs here
-        fed: dict[str, Any] = {}  # what each trained node's input position was given
+        handed: dict[str, Any] = {}  # each value as later stages (and the objective) got it
+        made: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # node -> (value, its leaf)
         for k, order in enumerate(self._orders):
             out = walk(a, order, inputs=inputs, given=handed, keeper=self.keeper if k == 0
                        else None, naming=self._naming and k == 0, training=True,
                        remote=self.runtime, wanted=self._wanted[k])
-            for n in self._stages[k]:
-                if n in self.trains and g.preds[n]:
-                    (p,) = g.preds[n]
-                    fed[n] = handed.get(p)
             for n in self._wanted[k]:
-                v = out.values[n]
-                if n in self.trains:  # a trainer gives out a detached copy: leaf it here
-                    v, leaf = _leaf(v)
-                    if leaf is not None:
-                        leaves[n] = leaf
-                handed[n] = v
+                # each stage starts a fresh autograd graph: what it is handed is a leaf
+                handed[n], made[n] = _leaf(out.values[n], n in self.trains)
         loss = self.objective(_output(g, handed), target)
         loss.backward()
-        self._transpose(leaves, fed)
+        self._transpose(made)
         self._check_gradients()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad()
         return loss.item()
 
-    def _transpose(self, leaves: dict[str, torch.Tensor], fed: dict[str, Any]) -> None:
-        """Walk the stages back: each trainer gets dL/d(its output) and answers dL/d(input)."""
+    def _transpose(self, made: dict[str, Any]) -> None:
+        """Walk the stages back: trainers get dL/d(output) and answer dL/d(input); what
+        sits between them here is walked through by autograd, one call per stage."""
         g = self.graph
-        owed: dict[str, torch.Tensor] = {}  # gradient a trainer owes to the trainer feeding it
-        for stage in reversed(self._stages):
+        owed: dict[str, torch.Tensor] = {}  # dL/d(value) that trainers answered, by producer
+        for k in reversed(range(len(self._stages))):
+            stage = self._stages[k]
+
+            def signal(n: str) -> Any:
+                leaf = made[n][1] if made.get(n) else None
+                return _plus(None if leaf is None else leaf.grad, owed.pop(n, None))
+
             for n in reversed([m for m in g.plan.order if m in stage and m in self.trains]):
-                signal = _plus(leaves[n].grad if n in leaves else None, owed.pop(n, None))
+                s = signal(n)
                 if n in self._deferrable:
-                    self._owed[n] = signal
+                    self._owed[n] = s
                     continue
-                grad_in = self._learn(n, signal)
-                if grad_in is None or not g.preds[n]:
-                    continue
-                (p,) = g.preds[n]
-                if p in self.trains:
+                grad_in = self._learn(n, s)
+                if grad_in is not None and g.preds[n]:
+                    (p,) = g.preds[n]
                     owed[p] = _plus(owed.get(p), grad_in)
-                else:  # walked through: autograd takes it to the leaves and weights above
-                    given = bare(fed.get(n))
-                    if isinstance(given, torch.Tensor) and given.requires_grad:
-                        torch.autograd.backward(given, grad_in)
+            values, grads = [], []
+            for n in self._wanted[k]:
+                if n in self.trains or not made.get(n) or not made[n][0].requires_grad:
+                    continue
+                s = signal(n)
+                if s is not None:
+                    values.append(made[n][0])
+                    grads.append(s)
+            if values:
+                torch.autograd.backward(values, grads)
 
     def _learn(self, n: str, signal: Any) -> Any:
         out = walk(self.running, [n], given={n + COMPUTES: Envelope(signal)}, training=True,
@@ -331,7 +335,6 @@ def _refuse(graph: Graph, trains: Mapping[str, Any], optimizer: Any) -> None:
                 f"kept under one name. Cache only before the first cut, or drop .cached() from "
                 f"{late}"
             )
-        cacheable(graph)
     if optimizer is not None and trains:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
         both = sorted(n for n in trains if any(id(p) in held for p in _params(graph.catalog[n])))
@@ -361,13 +364,15 @@ def _output(graph: Graph, values: Mapping[str, Any]) -> Any:
     return {s: bare(values[s]) for s in sinks}
 
 
-def _leaf(value: Any) -> tuple[Any, torch.Tensor | None]:
-    """A detached tensor made a leaf that asks for its gradient (kept Opaque if it was)."""
+def _leaf(value: Any, trained: bool) -> tuple[Any, tuple[torch.Tensor, torch.Tensor] | None]:
+    """A value handed across a stage boundary: a tensor that can take a gradient (a
+    trainer's detached output, or one with history here) becomes a leaf that asks for it."""
     t = bare(value)
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not (
+            trained or t.requires_grad):
         return value, None
     leaf = t.detach().requires_grad_()
-    return (Opaque(leaf) if isinstance(value, Opaque) else leaf), leaf
+    return (Opaque(leaf) if isinstance(value, Opaque) else leaf), (t, leaf)
 
 
 def _plus(a: Any, b: Any) -> Any:
