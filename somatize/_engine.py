@@ -8,6 +8,7 @@ stretches to the transport, with each value's key travelling beside it.
 from __future__ import annotations
 
 import json
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,24 +210,34 @@ def _code_of(node: Any) -> type:
     return getattr(node, "_soma_code", None) or type(node)
 
 
+# a class's fingerprint, read once per process: disassembling it costs milliseconds,
+# more than a hit saves on a small node
+_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _fingerprint_of(node: Any) -> str:
+    cls = _code_of(node)
+    if cls not in _fingerprints:
+        _fingerprints[cls] = json.dumps(fingerprint(cls), sort_keys=True)
+    return _fingerprints[cls]
+
+
 def _keep(graph, keeper, n: str, key: str, value: Any) -> None:
     node = graph.catalog[n]
-    meta = {
-        "node": n,
-        "class": kind_of(node),
-        "fingerprint": json.dumps(fingerprint(_code_of(node)), sort_keys=True),
-    }
+    meta = {"node": n, "class": kind_of(node), "fingerprint": _fingerprint_of(node)}
     keeper.put(f"value/{key}", value.value if isinstance(value, Opaque) else value, meta)
 
 
 def _check_fingerprint(graph, n: str, meta: Mapping[str, str]) -> None:
     node = graph.catalog[n]
+    now = _fingerprint_of(node)
+    if meta.get("fingerprint") == now:
+        return
     try:
         old = json.loads(meta.get("fingerprint", "{}"))
     except ValueError:
         old = {}
-    new = fingerprint(_code_of(node))
-    diff = changed(old, new)
+    diff = changed(old, json.loads(now))
     if diff:
         say_once(
             ("fingerprint", n, tuple(diff)),
