@@ -1,0 +1,101 @@
+"""The learning hole and the trainer that ships: one object in two positions, built at
+first use, surviving pickling, and the envelope a gradient travels in."""
+
+from __future__ import annotations
+
+import functools
+import pickle
+
+import torch
+import torch.nn.functional as F
+from split_nodes import Body, Head, batches, same, twins, weights
+
+import somatize
+from somatize import Ctx, Done, Graph, Node, Opaque, stages
+from somatize._learning import Envelope, around, is_envelope
+from somatize.torch import Split, Trainer, parameters
+
+
+def test_learning_is_the_hole_with_three_hooks_that_change_nothing_by_default():
+    hole = somatize.Learning()
+    ctx = Ctx("body")
+    assert hole.enter(3, ctx) == 3 and hole.leave(4, ctx) == 4 and hole.learn(5, ctx) is None
+
+
+def test_a_gradient_is_told_apart_from_an_input_by_its_envelope_and_nothing_else():
+    g = torch.ones(2)
+    assert is_envelope(Envelope(g)) and is_envelope(Envelope(None))
+    lookalike = type("Envelope", (), {"signal": g})()  # same name, same field: not one
+    assert not any(is_envelope(v) for v in (g, {"signal": g}, lookalike, Opaque(Envelope(g))))
+    assert Envelope(None).signal is None  # "no gradient for you this step"
+    back = pickle.loads(pickle.dumps(Envelope(g, then=Opaque(g))))
+    assert is_envelope(back) and torch.equal(back.signal, g) and back.carries
+
+
+def test_split_stands_in_two_positions_and_nobody_downstream_is_told():
+    class Both(Node):
+        def forward(self, x, ctx):
+            return Done(sorted(x))  # the fan-in dict, keyed by the producers' ids
+
+    g = Graph.somatize((Body() | Head(8)) >> Both())
+    trains = {"body": Split(torch.optim.SGD, lr=0.1)}
+    a = around(g, trains)
+    assert a["body:in"] is a["body"] is trains["body"] and a["body:computes"] is g["body"]
+    assert a.preds["both"] == g.preds["both"] == ("body", "head")
+    assert a.forward(torch.randn(2, 8), training=True) == ["body", "head"]
+    assert stages(g, trains) == [{"body", "head"}, {"both"}]  # the user's ids only
+
+
+def test_split_builds_its_optimizer_at_first_use_from_a_factory_that_pickles():
+    s = Split(torch.optim.SGD, lr=0.1, momentum=0.9)
+    assert s._optimizer is None  # never in __init__
+    assert isinstance(s.factory, functools.partial) and pickle.loads(pickle.dumps(s.factory))
+    body = Body()
+    s.node = body
+    assert s.optimizer.param_groups[0]["params"][0] is body.lin.weight
+    assert s.optimizer.defaults["momentum"] == 0.9
+
+
+def test_a_pickled_trained_graph_keeps_one_object_in_two_positions_and_trains_after_it():
+    whole, split = twins(lambda: Body() >> Head())
+    trains = {"body": Split(torch.optim.SGD, lr=0.1)}
+    t = Trainer(split, F.cross_entropy, torch.optim.SGD(parameters(split, without=trains),
+                                                        lr=0.1), trains=trains)
+    t.step(batches(1)[0])  # the optimizer exists now, and travels with the catalog
+    live = pickle.loads(pickle.dumps(t.running))
+    assert live["body:in"] is live["body"]
+    assert live["body"].node is live["body:computes"]
+    assert live["body"].optimizer.param_groups[0]["params"][0] is live["body:computes"].lin.weight
+    # the rebuilt trainer learns: forward through both positions, then a gradient back
+    x, _ = batches(1, seed=1)[0]
+    y = live.forward(x, training=True)  # the head's output; body kept its activation
+    before = weights(live)["body:computes"]
+    out = live["body"].forward(Envelope(torch.ones(16, 6)), Ctx("body", None, True))
+    assert is_envelope(out.value) and out.value.signal is None  # a root: nothing goes back
+    after = weights(live)["body:computes"]
+    assert y.shape == (16, 3) and not same(before, after)
+
+
+def test_learn_receives_dl_dy_and_gives_back_dl_dx():
+    body = Body()
+    s = Split(torch.optim.SGD, lr=0.0)
+    s.node = body
+    s.feeds_back = True
+    x = torch.randn(4, 8)
+    ctx = Ctx("body", None, True)
+    y = body.forward(s.enter(x, ctx), ctx).value.value
+    s.leave(y, ctx)
+    signal = torch.randn(4, 6)
+    want = torch.autograd.grad(body.lin(x.requires_grad_()).relu(), x, signal)[0]
+    assert torch.equal(s.learn(signal, ctx), want)
+
+
+def test_an_envelope_carrying_nothing_leaves_the_weights_where_they_were():
+    body = Body()
+    s = Split(torch.optim.SGD, lr=0.1)
+    s.node = body
+    before = [p.detach().clone() for p in body.parameters()]
+    ctx = Ctx("body", None, True)
+    s.leave(body.forward(s.enter(torch.randn(4, 8), ctx), ctx).value.value, ctx)
+    assert s.learn(None, ctx) is None
+    assert same(before, [p.detach() for p in body.parameters()])
