@@ -120,10 +120,14 @@ class DigitsData(pl.LightningDataModule):
         limit: keep only the first ``limit`` training samples (short tests).
         seed: the split's and the shuffle's seed; each epoch's order depends on it alone,
             so a run resumed at an epoch boundary sees the same batches.
+        shuffle: a new order each epoch; off, every epoch sees the same batches (which
+            a cached encoder's outputs are named by).
     """
 
-    def __init__(self, batch_size: int = 64, limit: int | None = None, seed: int = 0):
+    def __init__(self, batch_size: int = 64, limit: int | None = None, seed: int = 0,
+                 shuffle: bool = True):
         super().__init__()
+        self.shuffle = shuffle
         self.batch_size = batch_size
         self.limit = limit
         self.seed = seed
@@ -144,7 +148,7 @@ class DigitsData(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         # an epoch-seeded order (set_epoch is called by Lightning), not the global RNG's
-        sampler = DistributedSampler(self.train_set, num_replicas=1, rank=0, shuffle=True,
+        sampler = DistributedSampler(self.train_set, num_replicas=1, rank=0, shuffle=self.shuffle,
                                      seed=self.seed)
         return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)
 

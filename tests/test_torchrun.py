@@ -1,0 +1,24 @@
+"""`torchrun --standalone --nproc-per-node=2 train.py +somatize=split`: rank 0 trains,
+rank 1 serves the body, both exit 0, and Hydra writes one output directory."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_torchrun_runs_the_coordinator_and_the_worker_from_one_script(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+           "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         os.path.join(ROOT, "train.py"), "+somatize=split", "trainer.max_epochs=1",
+         "data.limit=64", "test=false"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    assert "started local workers" not in out  # rank 1 was the worker
+    assert "node 'body' ran on worker 'worker'" in out
+    runs = [r for r, _, files in os.walk(tmp_path / "outputs") if "train.log" in files]
+    assert len(runs) == 1, runs  # one output directory, rank 0's
