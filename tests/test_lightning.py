@@ -1,0 +1,73 @@
+"""GraphModule and SomatizeCache with a real lightning.Trainer, in this process (no RPC),
+and the strategy's refusals at setup."""
+
+import lightning.pytorch as pl
+import pytest
+import torch
+
+from somatize import Refused
+from somatize.lightning import SomatizeCache, SomatizeStrategy
+from somatize.lightning.digits import DigitsData, DigitsModel, digits_graph
+from somatize.torch import GraphModule
+
+
+def trainer(**kw):
+    return pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                      **{"max_epochs": 1, "limit_val_batches": 1, **kw})
+
+
+def test_graph_module_runs_every_node_here_and_holds_their_weights():
+    torch.manual_seed(0)
+    g = digits_graph(body_at="far-away")
+    gm = GraphModule(g)
+    assert sorted(gm.state_dict()) == ["nodes.body.lin.bias", "nodes.body.lin.weight",
+                                       "nodes.head.lin.bias", "nodes.head.lin.weight"]
+    x = torch.rand(3, 64)
+    expected = g["head"].lin(g["body"].lin(x).relu())
+    assert torch.equal(gm(x), expected)
+    assert gm.to(torch.float64).nodes["body"].lin.weight is g["body"].lin.weight
+
+
+def test_frozen_nodes_stay_in_eval_mode_when_lightning_calls_train():
+    gm = GraphModule(digits_graph(frozen=True))
+    gm.train()
+    assert not gm.nodes["body"].training and gm.nodes["head"].training
+
+
+def test_bf16_mixed_precision_is_refused_at_setup():
+    with pytest.raises(Refused, match="precision='32-true'"):
+        trainer(precision="bf16-mixed", strategy=SomatizeStrategy()).fit(
+            DigitsModel(), DigitsData(limit=64))
+
+
+def test_the_strategy_is_registered_by_name():
+    assert isinstance(trainer(strategy="somatize").strategy, SomatizeStrategy)
+
+
+def test_a_cache_the_prefix_rule_forbids_is_refused_before_the_first_batch(tmp_path):
+    seen = []
+
+    class Batches(pl.Callback):
+        def on_train_batch_start(self, *a):
+            seen.append(1)
+
+    with pytest.raises(Refused, match="'body' is .cached"):
+        trainer(callbacks=[SomatizeCache(tmp_path), Batches()]).fit(
+            DigitsModel(cached=True), DigitsData(limit=64))
+    assert seen == []
+
+
+def test_the_cache_settles_the_body_keeps_its_outputs_and_its_counts_in_checkpoints(tmp_path):
+    pl.seed_everything(0)
+    model = DigitsModel(frozen=True, cached=True)
+    body = model.net.nodes["body"].lin.weight.clone()
+    cache = SomatizeCache(tmp_path / "store")
+    t = trainer(max_epochs=2, callbacks=[cache], default_root_dir=tmp_path,
+                enable_checkpointing=True)
+    t.fit(model, DigitsData(limit=64, shuffle=False))
+    assert torch.equal(model.net.nodes["body"].lin.weight, body)  # frozen: never trained
+    assert cache.misses > 0 and cache.hits >= cache.misses  # epoch 2 found epoch 1's
+    ckpt = next((tmp_path / "checkpoints").glob("*.ckpt"), None) or next(
+        tmp_path.rglob("*.ckpt"))
+    state = torch.load(ckpt, weights_only=False)["callbacks"]["SomatizeCache"]
+    assert (state["hits"], state["misses"]) == (cache.hits, cache.misses)
