@@ -233,9 +233,10 @@ class Group:
         """Wait until each of ``peers`` has joined the group (or say why it did not)."""
         todo = [p for p in peers if p.kind != "torchrun"]
         start = time.monotonic()
+        from ._serve import _joined
+
         while todo:
-            names = self.names()
-            todo = [p for p in todo if p.name not in names]
+            todo = [p for p in todo if p.name not in _joined]
             for p in todo:
                 if p.why_dead() is not None:
                     self._drop(p)
@@ -243,12 +244,12 @@ class Group:
                         f"worker {p.host!r} ({p.kind}) did not join the run: {p.dead}; its "
                         "stderr is above"
                     )
-                if time.monotonic() - start > p.timeout:
+                if time.monotonic() - start > _settings["timeout"]:
                     self.stop(p, force=True)
                     raise WorkerError(
                         f"worker {p.host!r} ({p.kind}) did not join the run within "
-                        f"{p.timeout:g} s: raise Worker(timeout=...) or check that it can "
-                        f"reach {self.join}"
+                        f"{_settings['timeout']:g} s: check that it can reach {self.join}, "
+                        "or raise somatize.remote.configure(timeout=...)"
                     )
             if todo:
                 time.sleep(0.02)

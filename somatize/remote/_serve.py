@@ -37,6 +37,14 @@ class Failed:
     trace: str
 
 
+_joined: set[str] = set()  # on the coordinator: workers whose join has completed
+
+
+def joined(name: str) -> None:
+    """Said to the coordinator by a worker once every member knows it (join is no barrier)."""
+    _joined.add(name)
+
+
 def hello() -> dict:
     """Who this worker is: whether it keeps, its pid, its math threads."""
     import torch
@@ -139,10 +147,10 @@ def _failing_node(e: BaseException) -> str | None:
 
 def _watch_stdin() -> None:
     # the coordinator (or the daemon) holds our stdin: end of file means it is gone
-    try:
-        while sys.stdin.buffer.read(1 << 16):
+    try:  # the raw descriptor: a buffered read would hold a lock the exit needs
+        while os.read(0, 1 << 16):
             pass
-    except (OSError, ValueError):
+    except OSError:
         pass
     if not _stop.is_set():
         log.warning("the coordinator went away: this worker exits")
@@ -179,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = json.loads(args.options)
     rpc.init_rpc(args.name, rank=args.rank, world_size=None,
                  rpc_backend_options=backend_options(args.join, opts))
+    rpc.rpc_sync("coordinator", joined, args=(args.name,), timeout=opts.get("timeout", 60.0))
     _stop.wait()
     try:
         rpc.shutdown(graceful=True, timeout=opts.get("timeout", 60.0))

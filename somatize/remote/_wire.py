@@ -70,9 +70,9 @@ def _read_only_elsewhere(graph, n: str, inside: set[str], host: str) -> bool:
 
 def resolve(value: Any) -> Any:
     """A value handed to a stretch: an RRef is fetched from its owner, straight to here."""
-    from torch.distributed.rpc import RRef
+    from torch._C._distributed_rpc import PyRRef  # what an RRef arrives as
 
-    return value.to_here() if isinstance(value, RRef) else value
+    return value.to_here() if isinstance(value, PyRRef) else value
 
 
 def dumps(obj: Any) -> bytes:

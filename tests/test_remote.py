@@ -1,0 +1,201 @@
+"""Embedded workers: a stretch of the graph runs in a local worker process, over RPC.
+
+Each test runs its coordinator in a subprocess (RPC is initialised once per process).
+"""
+
+from __future__ import annotations
+
+from remote_run import coordinate, no_worker_left
+
+
+def test_the_seeds_graph_on_an_embedded_worker_equals_one_process(tmp_path):
+    out = coordinate("""
+        here = Graph.somatize(Body() >> Head()).forward(x)
+        g = Graph.somatize(Body().at("gpu") >> Head())
+        y = g.forward(x)
+        pid = g._runtime.peers["gpu"].pid
+        y2 = g.forward(Opaque(x))           # a second forward reuses the worker
+        assert g._runtime.peers["gpu"].pid == pid
+        assert pid != os.getpid()
+        assert torch.equal(y, here) and torch.equal(y2, here), (y, here)
+        g.close(); g.close()                # idempotent
+        print("PID", pid)
+    """, tmp_path)
+    assert no_worker_left([out.split("PID")[1].split()[0]])
+
+
+def test_a_big_matrix_product_over_there_equals_here_with_the_default_threads(tmp_path):
+    coordinate("""
+        from somatize.torch import node
+        torch.set_num_threads(2)
+        mlp = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(),
+                                  torch.nn.Linear(1024, 1024))
+        big = torch.randn(256, 784)
+        here = Graph.somatize(node(mlp)).forward(big)
+        with Graph.somatize(node(mlp).at("gpu")) as g:
+            assert torch.equal(g.forward(big), here)
+            assert g._runtime.call("gpu", lambda live: torch.get_num_threads()) == 2
+    """, tmp_path)
+
+
+def test_a_class_defined_in_the_script_travels_by_value(tmp_path):
+    coordinate("""
+        class Twice(Node):
+            def forward(self, x, ctx):
+                return Done(Opaque((x * 2, os.getpid())))
+        class Take(Node):
+            def forward(self, x, ctx):
+                return Done(x)
+        with Graph.somatize(Twice().at("gpu") >> Take()) as g:
+            y, pid = g.forward(x)
+        assert torch.equal(y, x * 2) and pid != os.getpid()
+    """, tmp_path)
+
+
+def test_an_opaque_read_only_over_there_does_not_stop_the_stretch(tmp_path):
+    coordinate("""
+        with Graph.somatize(Locked().at("gpu") >> Unlock().at("gpu")) as g:
+            assert torch.equal(g.forward(x), x + 1)
+        with Graph.somatize(Locked().at("gpu") >> Unlock()) as g:
+            try:
+                g.forward(x)
+                raise SystemExit("no Lost")
+            except Lost as e:
+                msg = str(e)
+        assert "'unlock'" in msg and "'locked'" in msg, msg
+        assert "the coordinator (here)" in msg and "worker 'gpu'" in msg, msg
+    """, tmp_path)
+
+
+def test_an_outcome_leaves_behind_what_cannot_travel_and_keeps_what_it_answers_with(tmp_path):
+    coordinate("""
+        from somatize._engine import walk
+        from somatize._values import Left
+        g = Graph.somatize(Locked().at("gpu") | Scale().at("gpu"))
+        with g:
+            out = walk(g, g.plan.order, inputs={"locked": x, "scale": x},
+                       remote=runtime_for(g), wanted=g.sinks)
+        assert isinstance(out.values["locked"], Left), out.values
+        assert out.values["locked"].node == "locked" and out.values["locked"].host == "gpu"
+        assert "lock" in out.values["locked"].why, out.values["locked"]
+        assert torch.equal(out.values["scale"].value, x * 2)
+        assert sorted(out.ran) == ["locked", "scale"]
+    """, tmp_path)
+
+
+def test_a_value_from_one_worker_to_another_travels_as_an_rref(tmp_path):
+    coordinate("""
+        from somatize._engine import walk
+        from torch._C._distributed_rpc import PyRRef
+        here = Graph.somatize(Body() >> Scale() >> Head()).forward(x)
+        g = Graph.somatize(Body().at("a") >> Scale().at("b") >> Head())
+        with g:
+            assert torch.equal(g.forward(x), here)
+            out = walk(g, g.plan.order, inputs={"body": x}, remote=runtime_for(g),
+                       wanted=g.sinks)
+            assert isinstance(out.values["body"], PyRRef), out.values   # never came here
+            assert torch.equal(out.values["head"].value, here)
+    """, tmp_path)
+
+
+def test_remote_stretches_of_one_wave_are_in_flight_together(tmp_path):
+    # each node waits for the other's file: run one after the other, they would time out
+    coordinate("""
+        import pathlib
+        class Meet(Node):
+            def __init__(self, me, other):
+                self.me, self.other = me, other
+            def forward(self, x, ctx):
+                pathlib.Path(self.me).touch()
+                t = time.monotonic()
+                while not pathlib.Path(self.other).exists():
+                    if time.monotonic() - t > 20:
+                        raise TimeoutError("the other stretch never started")
+                    time.sleep(0.01)
+                return Done(Opaque(x))
+        a, b = "a.flag", "b.flag"
+        g = Graph.somatize(Meet(a, b).named("ma").at("a") | Meet(b, a).named("mb").at("b"))
+        with g:
+            out = g.forward(x)
+        assert torch.equal(out["ma"], x) and torch.equal(out["mb"], x)
+    """, tmp_path)
+
+
+def test_a_worker_that_keeps_does_not_run_again_what_it_kept(tmp_path):
+    # CU13: no store here, one there; the names of what ran over there come back
+    coordinate(f"""
+        from somatize._engine import walk
+        from somatize.torch import freeze
+        store = {str(tmp_path / "there")!r}
+        def ran(live):
+            return type(live["scale"]).runs
+        for keeps in (True, False):
+            g = Graph.somatize(Scale().at("gpu").frozen().cached() >> Head(n_in=8))
+            freeze(g)
+            w = {{"gpu": Worker.embedded(store=store if keeps else None)}}
+            with g:
+                rt = runtime_for(g, w)
+                assert rt.keeps() is keeps
+                first = walk(g, g.plan.order, inputs={{"scale": x}}, remote=rt,
+                             naming=rt.keeps(), wanted=g.sinks)
+                second = walk(g, g.plan.order, inputs={{"scale": x}}, remote=rt,
+                              naming=rt.keeps(), wanted=g.sinks)
+                assert torch.equal(first.values["head"].value, second.values["head"].value)
+                if keeps:
+                    assert first.ran == ["scale", "head"] and second.hits == ["scale"]
+                    assert second.ran == ["head"]
+                    assert rt.call("gpu", ran) == 1
+                    assert first.keys["scale"] and first.keys["scale"] == second.keys["scale"]
+                    assert first.keys["head"]          # named here from the name that came back
+                    y = g.forward(x, workers=w)        # Graph.forward names for it too
+                    assert rt.call("gpu", ran) == 1
+                else:
+                    assert second.ran == ["scale", "head"] and not second.hits
+                    assert rt.call("gpu", ran) == 2
+    """, tmp_path, timeout=120)
+
+
+def test_provisioning_refuses_a_different_catalog_on_an_open_session(tmp_path):
+    coordinate("""
+        g = Graph.somatize(Body().at("gpu") >> Head())
+        g.provision()                                     # before any forward: not skipped
+        w = g._runtime.call("gpu", lambda live: live["body"].lin.weight.clone())
+        assert torch.equal(w, g["body"].lin.weight)
+        other = Graph.somatize(Scale().at("gpu") >> Head(n_in=8))
+        try:
+            g._runtime.provision(other)
+            raise SystemExit("not refused")
+        except Refused as e:
+            msg = str(e)
+        assert "'body'" in msg and "'scale'" in msg and "gpu" in msg, msg
+        g.close()
+    """, tmp_path)
+
+
+def test_an_exception_in_a_node_over_there_names_the_worker_and_the_node(tmp_path):
+    coordinate("""
+        with Graph.somatize(Body().at("gpu") >> Boom().at("gpu") >> Head()) as g:
+            try:
+                g.forward(x)
+                raise SystemExit("no error")
+            except WorkerError as e:
+                msg = str(e)
+        assert "'boom'" in msg and "'gpu'" in msg and "ValueError" in msg, msg
+        assert "boom inside the node" in msg and "Traceback" in msg, msg
+    """, tmp_path)
+
+
+def test_a_call_that_takes_too_long_fails_within_the_timeout(tmp_path):
+    coordinate("""
+        g = Graph.somatize(Sleepy("pid.txt", 30).at("gpu"))
+        t = time.monotonic()
+        try:
+            g.forward(x, workers={"gpu": Worker.embedded(timeout=3)})
+            raise SystemExit("no error")
+        except WorkerError as e:
+            msg = str(e)
+        took = time.monotonic() - t
+        assert "'gpu'" in msg and "sleepy" in msg and "3 s" in msg, msg
+        assert took < 25, took      # bounded by the timeout, not by the 30 s sleep
+        g.close()
+    """, tmp_path)
