@@ -21,7 +21,9 @@ A write is: the blob to ``tmp/`` then renamed (skipped when those bytes are alre
 kept), then the name to ``tmp/`` then renamed. A writer killed anywhere leaves the whole
 entry or none of it; at worst an unnamed blob or a temporary file, which ``gc`` removes.
 Every read checks the blob's bytes against its name, so a damaged or torn blob is a
-miss (said on stderr, moved to ``PATH/damaged/``), never a wrong value. That is also
+miss (said on stderr, moved to ``PATH/damaged/``), never a wrong value; what was read
+and checked is held in memory (256 MB at most, small blobs only) and served again
+from there, since a blob never changes. That is also
 why no fsync is the default: after a power cut a blob that did not reach the disk
 reads as a miss and is recomputed; ``fsync=True`` buys durability at ~3x the cost
 of a 64 MB write (see scripts/bench_cache.py).
@@ -35,8 +37,10 @@ import logging
 import mmap
 import os
 import re
+import threading
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +110,7 @@ class Store:
     def __init__(self, path: str | os.PathLike, *, fsync: bool = False,
                  lock_timeout: float = 60.0):
         self.path = Path(path)
+        self._root = str(self.path)
         self.fsync = fsync
         self.lock_timeout = lock_timeout
 
@@ -141,9 +146,10 @@ class Store:
 
     def entry(self, name: str) -> Entry | None:
         """The entry under ``name`` (without reading its value), or None."""
-        path = self.path / "names" / name
+        path = os.path.join(self._root, "names", name)  # str paths: pathlib costs on a hit
         try:
-            raw = path.read_bytes()
+            with open(path, "rb") as f:
+                raw = f.read()
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -190,7 +196,10 @@ class Store:
                     continue  # removed by a gc meanwhile
 
     def blob_path(self, blob: str) -> Path:
-        return self.path / "blobs" / blob[:2] / f"{blob}.safetensors"
+        return Path(self._blob_file(blob))
+
+    def _blob_file(self, blob: str) -> str:
+        return os.path.join(self._root, "blobs", blob[:2], blob + ".safetensors")
 
     def check_blob(self, blob: str) -> str | None:
         """What is wrong with a blob (None when its bytes match its name)."""
@@ -212,7 +221,10 @@ class Store:
         return None
 
     def _read_blob(self, blob: str, size: int, name: str):
-        path = self.blob_path(blob)
+        held = _recent.get((self._root, blob))
+        if held is not None:
+            return bytearray(held)  # a private copy: the caller may write into what it gets
+        path = self._blob_file(blob)
         try:
             with open(path, "rb") as f:
                 n = os.fstat(f.fileno()).st_size
@@ -233,6 +245,8 @@ class Store:
         if _hash(buf) != blob:
             self._damaged(blob, "its bytes do not match its name (corrupted)", name)
             return None
+        if isinstance(buf, bytearray):
+            _recent.hold((self._root, blob), bytes(buf))
         return buf
 
     @staticmethod
@@ -247,6 +261,7 @@ class Store:
 
     def _damaged(self, blob: str, why: str, name: str) -> None:
         # moved aside (a rename: whoever maps it keeps reading), so the next put rewrites it
+        _recent.drop((self._root, blob))
         try:
             (self.path / "damaged").mkdir(exist_ok=True)
             os.replace(self.blob_path(blob), self.path / "damaged" / f"{blob}.safetensors")
@@ -373,6 +388,45 @@ class _Lock:
     def __exit__(self, *exc):
         if self.fd is not None:
             os.close(self.fd)  # closing drops the lock
+
+
+class _Recent:
+    """The last blobs read, checked, in memory (bounded): a blob never changes once
+    written, so what was read whole is served again without opening the file or
+    hashing it (an epoch over a cached encoder reads the same values every epoch)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used = budget, 0
+        self.items: OrderedDict[tuple[str, str], bytes] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def get(self, key: tuple[str, str]) -> bytes | None:
+        with self.lock:
+            data = self.items.get(key)
+            if data is not None:
+                self.items.move_to_end(key)
+            return data
+
+    def hold(self, key: tuple[str, str], data: bytes) -> None:
+        if len(data) > self.budget // 8:
+            return
+        with self.lock:
+            if key in self.items:
+                return
+            self.items[key] = data
+            self.used += len(data)
+            while self.used > self.budget:
+                _, old = self.items.popitem(last=False)
+                self.used -= len(old)
+
+    def drop(self, key: tuple[str, str]) -> None:
+        with self.lock:
+            data = self.items.pop(key, None)
+            if data is not None:
+                self.used -= len(data)
+
+
+_recent = _Recent(256 << 20)
 
 
 def _hash(buf) -> str:

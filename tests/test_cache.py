@@ -53,7 +53,7 @@ def test_what_is_kept_is_not_computed_again_and_is_what_was_produced(store):
     enc = Encoder()
     g = settled(enc.frozen().cached(), Head())
     y1 = g.forward(x, store=store)
-    y2 = g.forward(x, store=store.path)  # a path or the store itself: the same directory
+    y2 = g.forward(Opaque(x), store=store.path)  # a path or the store: the same directory
     assert RUNS == {"encoder": 1, "head": 2}
     assert torch.equal(y1, y2)
     (name,) = store.names()
@@ -261,3 +261,20 @@ def test_training_above_a_kept_value_trains_the_head_only(store):
     assert g["encoder"].lin.weight.grad is None
     kept = store.get(next(store.names())).value
     assert kept.is_leaf and not kept.requires_grad
+
+
+def test_the_trainer_settles_what_is_frozen_and_keeps_what_is_cached(tmp_path):
+    # the seed's case: a head trained over a frozen, cached encoder; epoch 2 reads it back
+    from somatize.torch import Trainer
+
+    head = Head()
+    g = Graph.somatize(Encoder().frozen().cached() >> head)
+    data = [(torch.randn(4, 4), torch.tensor([0, 1, 0, 1])) for _ in range(3)]
+    before = head.lin.weight.detach().clone()
+    trainer = Trainer(g, objective=torch.nn.functional.cross_entropy,
+                      optimizer=torch.optim.SGD(head.parameters(), lr=0.1), store=tmp_path)
+    trainer.fit(data, epochs=2)
+    assert RUNS == {"encoder": 3, "head": 6}
+    assert not torch.equal(head.lin.weight, before)
+    assert not any(p.requires_grad for p in g["encoder"].parameters())
+    assert len(list(Store(tmp_path).names())) == 3

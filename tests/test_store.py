@@ -33,6 +33,14 @@ def said(caplog) -> str:
     return "\n".join(r.getMessage() for r in caplog.records)
 
 
+def test_the_store_and_its_command_import_no_torch():
+    code = ("import sys, somatize.store, somatize._store_cli, somatize._packing; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
 # -- the questionnaire's store section --
 
 def test_a_batch_answers_in_the_order_it_was_asked_holes_included(store):
@@ -172,6 +180,15 @@ def test_a_corrupted_blob_is_detected_on_read_treated_as_a_miss_and_said(store, 
     # moved aside: keeping the value again rewrites it, and it reads back whole
     assert store.put("value/v", t)
     assert torch.equal(store.get("value/v").value, t)
+
+
+def test_a_blob_damaged_after_it_was_read_is_still_served_whole_then_verify_finds_it(store):
+    t = torch.randn(64, 64)
+    store.put("value/v", t)
+    assert torch.equal(store.get("value/v").value, t)
+    _corrupt(store.blob_path(next(store.blobs())[0]))
+    assert torch.equal(store.get("value/v").value, t)  # what was checked is held in memory
+    assert store_cli(["verify", str(store.path)]) == 1
 
 
 def test_a_truncated_blob_is_detected_on_read(store, caplog):
