@@ -7,10 +7,13 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import somatize.torch  # noqa: F401  (registers the tensor's codec)
 from somatize import Keeper, Kept, StoreError, codec
+from somatize._packing import pack, unpack
 from somatize._say import forget
 from somatize._store_cli import main as store_cli
 from somatize._values import Blob
@@ -98,6 +101,20 @@ def test_a_nested_value_comes_back_as_it_was(store):
     assert back["nested"][:5] == value["nested"][:5]
     assert torch.equal(back["nested"][5]["deep"][0], torch.ones(1))
     assert back["big"] == 2**80 and back["inf"] == float("inf")
+
+
+scalars = st.none() | st.booleans() | st.integers() | st.text() | st.binary() | st.floats(
+    allow_nan=False)
+values = st.recursive(scalars, lambda inner: (
+    st.lists(inner) | st.tuples(inner, inner) | st.dictionaries(st.text() | st.integers(), inner)
+), max_leaves=20)
+
+
+@settings(max_examples=150, deadline=None)
+@given(values)
+def test_any_nested_value_packs_and_unpacks_to_itself(value):
+    header, buffers = pack(value)
+    assert unpack(memoryview(header + b"".join(buffers))) == value
 
 
 def test_a_blob_is_a_safetensors_file_that_safetensors_reads(store):
