@@ -1,0 +1,173 @@
+"""Split learning on loopback, side by side in one run: the same MLP trained in one piece
+here, trained by somatize with its body on a local worker (``Split``), and trained the
+torch-native way (RemoteModule + distributed autograd + DistributedOptimizer).
+
+    python scripts/bench_split.py              # medians of 5 repeats of 10 steps
+    python scripts/bench_split.py --repeats 3 --steps 5
+
+Body 784->1024->1024 (ReLU between), head 1024->10 here, batch 256, SGD. Prints
+milliseconds per step, the ratios, and a breakdown of what a split step costs beyond
+the compute: a bare round trip, and moving the step's tensors there and back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from somatize import Done, Graph, Node, Opaque
+from somatize.torch import Split, Trainer, parameters
+
+LR = 0.01
+
+
+class Body(Node):
+    """The far half: 784 -> 1024 -> 1024."""
+
+    def __init__(self, mlp: nn.Module):
+        self.mlp = mlp
+
+    def forward(self, x, ctx):
+        return Done(Opaque(self.mlp(x)))
+
+    def parameters(self):
+        return list(self.mlp.parameters())
+
+
+class Head(Node):
+    """The near half: 1024 -> 10."""
+
+    def __init__(self, lin: nn.Module):
+        self.lin = lin
+
+    def forward(self, x, ctx):
+        return Done(Opaque(self.lin(x)))
+
+    def parameters(self):
+        return list(self.lin.parameters())
+
+
+def fresh():
+    torch.manual_seed(0)
+    mlp = nn.Sequential(nn.Linear(784, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU())
+    return mlp, nn.Linear(1024, 10)
+
+
+def timed(step, data, warmup=2) -> tuple[float, list[float]]:
+    """Median ms per step over ``data`` after ``warmup`` steps, and the losses."""
+    losses = [step(b) for b in data[:warmup]]
+    times = []
+    for b in data[warmup:]:
+        t0 = time.perf_counter()
+        losses.append(step(b))
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times), losses
+
+
+def native(remote_name: str, data):
+    """RemoteModule + dist_autograd + DistributedOptimizer over the same worker."""
+    import torch.distributed.autograd as dist_autograd
+    from torch.distributed.nn import RemoteModule
+    from torch.distributed.optim import DistributedOptimizer
+    from torch.distributed.rpc import RRef
+
+    mlp, head = fresh()
+    body = RemoteModule(f"{remote_name}/cpu", nn.Sequential,
+                        args=tuple(mlp))  # the same modules, same weights, pickled there
+    opt = DistributedOptimizer(torch.optim.SGD, body.remote_parameters()
+                               + [RRef(p) for p in head.parameters()], lr=LR)
+
+    def step(batch):
+        x, y = batch
+        with dist_autograd.context() as cid:
+            loss = F.cross_entropy(head(body(x)), y)
+            dist_autograd.backward(cid, [loss])
+            opt.step(cid)
+        return loss.item()
+
+    return step
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(1)
+    n = args.steps + 2
+    data = [(torch.randn(256, 784, generator=gen), torch.randint(0, 10, (256,), generator=gen))
+            for _ in range(n)]
+
+    mlp, head = fresh()
+    whole = Graph.somatize(Body(mlp) >> Head(head))
+    one = Trainer(whole, F.cross_entropy, torch.optim.SGD(parameters(whole), lr=LR))
+
+    mlp, head = fresh()
+    far = Graph.somatize(Body(mlp).at("gpu") >> Head(head))
+    trains = {"body": Split(torch.optim.SGD, lr=LR)}
+    split = Trainer(far, F.cross_entropy, torch.optim.SGD(parameters(far, without=trains),
+                                                          lr=LR), trains=trains)
+    rt = split.runtime
+    name = rt.peers["gpu"].name
+    nat = native(name, data)
+
+    # the breakdown: a bare round trip, and the step's tensors there and back
+    def noop():
+        rt.call("gpu", _nothing)
+
+    x, _ = data[0]
+    act = torch.randn(256, 1024)
+
+    def move():  # what a step moves: the input and a gradient there, an activation back
+        rt.call("gpu", _echo, x, act)
+
+    m, _ = fresh()
+
+    def body_step():  # the worker's compute, measured here with the same threads
+        m(x).backward(act)
+
+    rows = {"one piece": [], "somatize split": [], "torch native": [], "round trip": [],
+            "tensors moved": [], "body fwd+bwd": []}
+    losses = {}
+    for r in range(args.repeats):
+        for label, step in (("one piece", one.step), ("somatize split", split.step),
+                            ("torch native", nat)):
+            ms, got = timed(step, data)
+            rows[label].append(ms)
+            if r == 0:
+                losses[label] = got
+        for label, fn in (("round trip", noop), ("tensors moved", move),
+                          ("body fwd+bwd", body_step)):
+            ms, _ = timed(lambda _b, fn=fn: fn(), list(range(12)))
+            rows[label].append(ms)
+    split.flush()
+
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print(f"threads {torch.get_num_threads()}, repeats {args.repeats} x {args.steps} steps")
+    for k, v in med.items():
+        print(f"  {k:16s} {v:7.2f} ms   (runs: {', '.join(f'{x:.1f}' for x in rows[k])})")
+    print(f"  split / one piece   {med['somatize split'] / med['one piece']:.3f}")
+    print(f"  native / one piece  {med['torch native'] / med['one piece']:.3f}")
+    print(f"  split / native      {med['somatize split'] / med['torch native']:.3f}")
+    print(f"  split - one piece   {med['somatize split'] - med['one piece']:.2f} ms per step "
+          f"(one round trip per step: step k's gradient rides with step k+1's input)")
+    print("  bit-identical losses: split", losses["somatize split"] == losses["one piece"],
+          "native", losses["torch native"] == losses["one piece"])
+    split.close()
+
+
+def _nothing(live):
+    return None
+
+
+def _echo(live, x, act):
+    return act
+
+
+if __name__ == "__main__":
+    main()
