@@ -92,6 +92,7 @@ class Peer:
     conn: socket.socket | None = None  # to a standing daemon, held for the run
     keeps: bool = False
     pid: int | None = None
+    rank: int | None = None
     users: int = 0
     dead: str | None = None  # why it is gone, once it is
     key: tuple = field(default=())
@@ -217,13 +218,13 @@ class Group:
                "--options", json.dumps({k: v for k, v in _settings.items() if k != "listen"}),
                "--threads", str(spec.threads or _threads_here())]
         if spec.kind == "standing":
-            p = Peer(name, host, "standing", spec.timeout)
+            p = Peer(name, host, "standing", spec.timeout, rank=rank)
             p.conn, reply = _ask_daemon(spec.address, host, cmd, spec.timeout)
             p.pid = reply.get("pid")
         else:
             if spec.store is not None:
                 cmd += ["--store", spec.store]
-            p = Peer(name, host, "embedded", spec.timeout)
+            p = Peer(name, host, "embedded", spec.timeout, rank=rank)
             p.proc = subprocess.Popen([sys.executable, "-m", "somatize.remote", *cmd],
                                       stdin=subprocess.PIPE, env=_child_env())
             p.pid = p.proc.pid
@@ -303,6 +304,15 @@ class Group:
             agent._update_group_membership(info, [], {}, False)
         except Exception as e:  # it may never have joined
             log.debug("forgetting %r: %s", p.name, e)
+        if self.static is None and p.rank is not None:
+            # a joining worker greets everyone listed here: a dead one would fail its join
+            # (the list's key and format are TensorPipe's, agent_utils.cpp)
+            key = "rpc_prefix_0/names/_ALL_WORKER_INFOS"
+            try:
+                listed = "," + self._store.get(key).decode()
+                self._store.set(key, listed.replace(f",{p.name}-{p.rank},", ",")[1:])
+            except Exception as e:
+                log.debug("unlisting %r: %s", p.name, e)
 
     def _drop(self, p: Peer) -> None:
         with self.lock:

@@ -13,7 +13,6 @@ import argparse
 import json
 import logging
 import os
-import sys
 import threading
 import traceback
 from dataclasses import dataclass

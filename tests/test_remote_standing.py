@@ -1,0 +1,70 @@
+"""A standing worker: a daemon that starts a fresh serving process for each run."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from remote_run import coordinate, env, no_worker_left
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _listening(port: int, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def test_the_seeds_graph_on_a_standing_worker_equals_one_process(tmp_path):
+    port = _free_port()
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "somatize.worker", "--name", "gpu", "--listen",
+         f"127.0.0.1:{port}"], env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    try:
+        assert _listening(port, time.monotonic() + 30), "the daemon never listened"
+        run = f"""
+            here = Graph.somatize(Body() >> Head()).forward(x)
+            w = {{"gpu": Worker.at("127.0.0.1:{port}", timeout=30)}}
+            with Graph.somatize(Body().at("gpu") >> Head()) as g:
+                assert torch.equal(g.forward(x, workers=w), here)
+                assert torch.equal(g.forward(x, workers=w), here)
+                print("PID", g._runtime.peers["gpu"].pid)
+        """
+        first = coordinate(run, tmp_path, name="first.py")
+        second = coordinate(run, tmp_path, name="second.py")  # a fresh process per run
+        pids = [first.split("PID")[1].split()[0], second.split("PID")[1].split()[0]]
+        assert pids[0] != pids[1]
+        deadline = time.monotonic() + 30
+        while not no_worker_left(pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert no_worker_left(pids)
+        assert daemon.poll() is None, "a run took the daemon with it"
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        out, _ = daemon.communicate(timeout=30)
+    assert daemon.returncode == 0, out
+    assert "listening on 127.0.0.1" in out
+
+
+def test_a_standing_worker_nobody_listens_for_is_a_clear_error(tmp_path):
+    out = coordinate(f"""
+        g = Graph.somatize(Body().at("gpu") >> Head())
+        try:
+            g.forward(x, workers={{"gpu": Worker.at("127.0.0.1:{_free_port()}")}})
+        except WorkerError as e:
+            print(e)
+    """, tmp_path)
+    assert "no standing worker answered" in out and "python -m somatize.worker" in out
