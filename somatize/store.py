@@ -15,7 +15,8 @@ On disk::
     PATH/names/value/<key>              JSON: the blob, its size, the meta written beside
     PATH/names/artifact/<kind>/<id>
     PATH/tmp/                           files being written; renamed into place when whole
-    PATH/lock                           writers hold it shared, ``gc`` exclusive
+    PATH/lock                           writers hold it shared, ``gc`` exclusive (flock:
+                                        on NFS, run gc only where every writer runs)
 
 A write is: the blob to ``tmp/`` then renamed (skipped when those bytes are already
 kept), then the name to ``tmp/`` then renamed. A writer killed anywhere leaves the whole
