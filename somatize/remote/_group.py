@@ -8,11 +8,17 @@ shared by every runtime of the process, each runtime with its own session.
 torch.distributed.rpc cannot be initialised twice in one process (pytorch#46491):
 the agent is started once, at first use, and shut down at interpreter exit.
 
-Transport: ``uv`` by default. TensorPipe's shared-memory transport keeps a thread
-spinning a whole core in every process, even idle; ``uv`` does not, and on loopback
-it measures within a few percent of it (``scripts/bench_remote.py``). Processes
-started here get ``THP_MEM_ALLOC_ENABLE=1`` (huge pages: large tensors are received
-about three times faster) and ``TP_SOCKET_IFNAME=lo`` (they listen on loopback).
+Transport: ``uv``, with TensorPipe's own channel choice, by measuring
+(``scripts/bench_remote.py --compare``, 2-core VM): the default ``shm`` transport
+has the cheapest calls (380 us vs 590 us) and transfers, but keeps a thread spinning
+a core in every process, which doubled the worker's compute (10.3 vs 5.3 ms for an
+MLP body) and lost the forward overall (2.4x here vs 1.5x); the ``mpt_uv`` channel
+moves 64 MB five times faster (3.6 vs 0.7 GB/s) but 1 MB slower (1.0 vs 0.7 ms), and
+activations are mostly small: ``configure(channels=["mpt_uv"])`` for big ones.
+Processes started here get ``THP_MEM_ALLOC_ENABLE=1`` (huge pages: large tensors are
+received faster; it must be set before torch is imported) and ``TP_SOCKET_IFNAME=lo``;
+the rendezvous is ours so that it too listens on loopback only (torch's ``tcp://``
+listens on every interface).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import logging
 import os
 import threading
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,9 @@ _sessions: dict[str, Any] = {}  # session id -> the live graph it was provisione
 _keeper: Any = None  # opened from --store; it belongs to whoever runs this worker
 _stop = threading.Event()
 _lock = threading.Lock()
+# every node runs on this one thread: a math library keeps one team of threads per
+# calling thread, and teams left spinning by other RPC threads would slow the next call
+_compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="somatize-compute")
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,15 @@ def close(session: str) -> None:
 
 def run(session: str, stretch: Any) -> Any:
     """Walk ``stretch`` over the session's graph; answer with what can travel."""
+    return _compute.submit(_run, session, stretch).result()
+
+
+def call(session: str, fn_blob: bytes, args: tuple, kw: dict) -> Any:
+    """Run ``fn(live_graph, *args, **kw)`` against the session's graph; answer its result."""
+    return _compute.submit(_call, session, fn_blob, args, kw).result()
+
+
+def _run(session: str, stretch: Any) -> Any:
     from .._engine import walk
     from ._wire import resolve, travelling
 
@@ -107,8 +120,7 @@ def run(session: str, stretch: Any) -> Any:
     return travelling(graph, out, stretch)
 
 
-def call(session: str, fn_blob: bytes, args: tuple, kw: dict) -> Any:
-    """Run ``fn(live_graph, *args, **kw)`` against the session's graph; answer its result."""
+def _call(session: str, fn_blob: bytes, args: tuple, kw: dict) -> Any:
     import cloudpickle
 
     graph = _sessions.get(session)
