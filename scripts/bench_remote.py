@@ -33,8 +33,7 @@ from torch import nn
 
 from somatize import Graph
 from somatize._engine import Stretch
-from somatize.remote import Worker, configure, runtime_for
-from somatize.remote import _serve
+from somatize.remote import Worker, _serve, configure, runtime_for
 from somatize.torch import node
 
 
@@ -62,6 +61,21 @@ def _forward_times(live, x, repeats):
 
 def _answer(live, x, out):
     return out  # the bytes of the activation, back, with no compute
+
+
+def throughput(name: str, mb: int, n: int) -> dict:
+    """One way to worker ``name``, against copy_ into a preallocated tensor and clone()."""
+    t = torch.randn(mb * (1 << 20) // 4)
+    buf = torch.empty_like(t)
+    send = median_ms(lambda: rpc.rpc_sync(name, len, args=(t,)), n)
+    copy = median_ms(lambda: buf.copy_(t), n)
+    clone = median_ms(lambda: t.clone(), n)
+
+    def gbs(ms):
+        return mb / 1024 / (ms / 1e3)
+
+    return {"ms": send, "GB/s": gbs(send), "copy_GB/s": gbs(copy), "clone_GB/s": gbs(clone),
+            "of_copy": copy / send, "of_clone": clone / send}
 
 
 def run(repeats: int) -> dict:
@@ -93,16 +107,8 @@ def run(repeats: int) -> dict:
 
     # 2. throughput: one way to the worker, against copy_ and clone() here
     for mb in (1, 16, 64):
-        t = torch.randn(mb * (1 << 20) // 4)
-        buf = torch.empty_like(t)
         n = max(3, repeats // (1 if mb == 1 else 2 if mb == 16 else 4))
-        send = median_ms(lambda: rpc.rpc_sync(peer.name, len, args=(t,)), n)
-        copy = median_ms(lambda: buf.copy_(t), n)
-        clone = median_ms(lambda: t.clone(), n)
-        gbs = lambda ms: mb / 1024 / (ms / 1e3)  # noqa: E731
-        res[f"send_{mb}MB"] = {"ms": send, "GB/s": gbs(send), "copy_GB/s": gbs(copy),
-                               "clone_GB/s": gbs(clone), "of_copy": copy / send,
-                               "of_clone": clone / send}
+        res[f"send_{mb}MB"] = throughput(peer.name, mb, n)
 
     # 3. an empty stretch against a bare rpc_sync no-op
     res["noop_rpc_ms"] = median_ms(lambda: rpc.rpc_sync(peer.name, _serve.noop), repeats * 2)
