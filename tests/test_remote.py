@@ -30,10 +30,14 @@ def test_a_big_matrix_product_over_there_equals_here_with_the_default_threads(tm
         torch.set_num_threads(2)
         mlp = torch.nn.Sequential(torch.nn.Linear(784, 1024), torch.nn.ReLU(),
                                   torch.nn.Linear(1024, 1024))
-        big = torch.randn(256, 784)
+        big, odd = torch.randn(256, 784), torch.randn(7, 784)
         here = Graph.somatize(node(mlp)).forward(big)
+        here_odd = Graph.somatize(node(mlp)).forward(odd)
         with Graph.somatize(node(mlp).at("gpu")) as g:
             assert torch.equal(g.forward(big), here)
+            # a batch of 7 comes out differently with 1 and 2 threads on this CPU: the
+            # worker's default (as many threads as here) keeps the equality
+            assert torch.equal(g.forward(odd), here_odd)
             assert g._runtime.call("gpu", lambda live: torch.get_num_threads()) == 2
     """, tmp_path)
 
