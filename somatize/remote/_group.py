@@ -177,7 +177,7 @@ class Group:
     def peer(self, host: str, spec: Worker) -> Peer:
         """The worker process serving ``host`` as ``spec`` says, started if need be."""
         self.start()
-        key = (spec.kind, spec.address or spec.rank_ or (host, spec.store, spec.threads))
+        key = (spec.kind, spec.address or spec.torchrun_rank or (host, spec.store, spec.threads))
         with self.lock:
             p = self.peers.get(key)
             if p is not None and p.why_dead() is None:
@@ -203,19 +203,19 @@ class Group:
     def _ranked(self, host: str, spec: Worker) -> Peer:
         if self.static is None:
             raise WorkerError(
-                f"Worker.rank({spec.rank_}) for host {host!r}, but this process was not "
+                f"Worker.rank({spec.torchrun_rank}) for host {host!r}, but this process was not "
                 "started by torchrun: call somatize.remote.serve_if_worker() first thing in "
                 "the script, and launch it with torchrun --nproc-per-node=N"
             )
         from torch.distributed.rpc.api import _get_current_rpc_agent
 
         by_rank = {w.id: w.name for w in _get_current_rpc_agent().get_worker_infos()}
-        if spec.rank_ not in by_rank:
+        if spec.torchrun_rank not in by_rank:
             raise WorkerError(
-                f"host {host!r} is served by rank {spec.rank_}, but the run has ranks "
-                f"{sorted(by_rank)}: launch with --nproc-per-node={spec.rank_ + 1} or more"
+                f"host {host!r} is served by rank {spec.torchrun_rank}, but the run has ranks "
+                f"{sorted(by_rank)}: launch with --nproc-per-node={spec.torchrun_rank + 1} or more"
             )
-        return Peer(by_rank[spec.rank_], host, "torchrun", spec.timeout)
+        return Peer(by_rank[spec.torchrun_rank], host, "torchrun", spec.timeout)
 
     def _spawn(self, host: str, spec: Worker) -> Peer:
         name, rank = self._name(host), self.next_rank

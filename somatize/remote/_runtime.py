@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import _errors
-from .._errors import Refused, SomatizeError, WorkerError
+from .._errors import SomatizeError, WorkerError
 from .._node import kind_of
 from ._group import Peer, group
 from ._serve import Failed
@@ -52,9 +52,8 @@ class Runtime:
                               "e.g. Worker.at('127.0.0.1:7000'), or leave it out")
         ranks = group().static
         if ranks is not None:
-            hosts = self.graph.placement.workers()
-            return Worker.rank(ranks.get(host, hosts.index(host) + 1)
-                               if host in hosts else ranks[host])
+            # by default the graph's hosts are ranks 1, 2, ... in first-use order
+            return Worker.rank(ranks.get(host) or self.graph.placement.workers().index(host) + 1)
         return Worker.embedded()
 
     def start(self, hosts=None) -> list[Peer]:
@@ -186,8 +185,6 @@ def _raised_over_there(p: Peer, what: str, f: Failed) -> SomatizeError:
     cls = getattr(_errors, f.error, None)
     if isinstance(cls, type) and issubclass(cls, SomatizeError) and cls is not WorkerError:
         return cls(f"on worker {p.host!r}: {f.message}{trace}")
-    if f.error == "Refused":
-        return Refused(f"worker {p.host!r}: {f.message}")
     return WorkerError(
         f"{at} raised {f.error} on worker {p.host!r}: {f.message}{trace}"
     )

@@ -32,7 +32,7 @@ class Worker:
     """
 
     address: str | None = None
-    rank_: int | None = None
+    torchrun_rank: int | None = None
     store: str | None = None
     timeout: float = DEFAULT_TIMEOUT
     threads: int | None = None
@@ -54,7 +54,7 @@ class Worker:
         """A torchrun worker: rank ``rank`` (>= 1) of the same script."""
         if rank < 1:
             raise WorkerError(f"Worker.rank({rank}): rank 0 is the coordinator; use 1 or more")
-        return cls(rank_=rank, timeout=timeout)
+        return cls(torchrun_rank=rank, timeout=timeout)
 
     @classmethod
     def embedded(cls, *, store: str | None = None, timeout: float = DEFAULT_TIMEOUT,
@@ -67,6 +67,6 @@ class Worker:
     def kind(self) -> str:
         if self.address is not None:
             return "standing"
-        if self.rank_ is not None:
+        if self.torchrun_rank is not None:
             return "torchrun"
         return "embedded"
