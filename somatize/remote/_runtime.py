@@ -34,6 +34,7 @@ class Runtime:
         self.workers = dict(workers or {})
         self.session = uuid.uuid4().hex[:12]
         self.peers: dict[str, Peer] = {}
+        self.timeout: dict[str, float] = {}  # per host, as this run's Worker says
         self.provisioned: set[str] = set()
         self.closed = False
         self._lock = threading.Lock()
@@ -64,7 +65,8 @@ class Runtime:
             hosts = list(hosts if hosts is not None else self.graph.placement.workers())
             fresh = [h for h in hosts if h not in self.peers]
             for h in fresh:
-                self.peers[h] = group().peer(h, self.spec(h))
+                spec = self.spec(h)
+                self.peers[h], self.timeout[h] = group().peer(h, spec), spec.timeout
             group().wait_joined([self.peers[h] for h in fresh])
             for h in fresh:
                 p = self.peers[h]
@@ -138,7 +140,7 @@ class Runtime:
     def _async(self, p: Peer, fn, args: tuple):
         import torch.distributed.rpc as rpc
 
-        return rpc.rpc_async(p.name, fn, args=args, timeout=p.timeout)
+        return rpc.rpc_async(p.name, fn, args=args, timeout=self.timeout[p.host])
 
     def _rpc(self, p: Peer, what: str, fn, args: tuple) -> Any:
         return self._answer(p, what, self._async(p, fn, args))
@@ -157,7 +159,7 @@ class Runtime:
         dead = p.why_dead()
         if dead is None and ("timed out" in msg.lower() or "timeout" in msg.lower()):
             return WorkerError(
-                f"worker {p.host!r} did not answer within {p.timeout:g} s while {what}: "
+                f"worker {p.host!r} did not answer within {self.timeout[p.host]:g} s while {what}: "
                 f"raise its timeout (Worker(timeout=...)) if that is expected ({msg})"
             )
         if dead is None:
