@@ -203,3 +203,19 @@ def test_a_call_that_takes_too_long_fails_within_the_timeout(tmp_path):
         assert took < 25, took      # bounded by the timeout, not by the 30 s sleep
         g.close()
     """, tmp_path)
+
+
+def test_two_graphs_in_one_process_share_a_worker_each_with_its_own_catalog(tmp_path):
+    out = coordinate("""
+        g1 = Graph.somatize(Body().at("gpu") >> Head())
+        g2 = Graph.somatize(Scale().at("gpu") >> Head(n_in=8))
+        y1, y2 = g1.forward(x), g2.forward(x)
+        pid = g1._runtime.peers["gpu"].pid
+        assert g2._runtime.peers["gpu"].pid == pid           # one process, two sessions
+        g1.close()
+        assert torch.equal(g2.forward(x), y2)                # the other session lives on
+        assert torch.equal(y1, Graph.somatize(Body() >> Head()).forward(x))
+        g2.close()                                           # the last one stops it
+        print("PID", pid)
+    """, tmp_path)
+    assert no_worker_left([out.split("PID")[1].split()[0]])
