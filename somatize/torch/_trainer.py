@@ -25,12 +25,12 @@ import torch
 from .._engine import walk
 from .._errors import NoGradient, Refused
 from .._graph import Graph
-from .._learning import COMPUTES, IN, Envelope, Learning, around, position_of
+from .._learning import Learning
 from .._memory import cacheable, check_settled, has_state
 from .._node import kind_of
-from .._stages import levels, stages
-from .._values import Opaque, bare
+from .._stages import levels
 from ._freeze import freeze, state_of
+from ._staged import Staged, output, params_of
 
 log = logging.getLogger(__name__)
 
@@ -72,18 +72,9 @@ class Trainer:
             cacheable(graph)  # the prefix rule, once what is frozen is settled
         check_settled(graph)
         self.keeper = open_keeper(store)
-        self.staged = bool(self.trains)
-        # the graph that runs: trainers standing around their nodes when staged
-        self.running = around(graph, self.trains) if self.staged else graph
-        self._stages = stages(graph, self.trains)
-        self._orders = [
-            [a for a in self.running.plan.order if position_of(a) in stage]
-            for stage in self._stages
-        ]
-        for n, trainer in self.trains.items():
-            trainer.feeds_back = any(
-                a in self.trains or _trainable(graph, a) for a in graph.ancestors(n)
-            )
+        # trainers standing around their nodes: the step is driven in stages
+        self.staged = Staged(graph, self.trains) if self.trains else None
+        self.running = self.staged.running if self.staged else graph
         self.runtime = None
         if self.running.placement.hosts:
             from ..remote import runtime_for
@@ -92,24 +83,14 @@ class Trainer:
             self.runtime.provision(self.running)
         self._naming = self.keeper is not None or bool(
             self.runtime is not None and self.runtime.keeps())
-        sinks = set(graph.sinks)
-        self._wanted = [  # per stage: the values read by a later stage or the objective
-            [n for n in stage if n in sinks
-             or any(c not in stage for c in graph.successors(n))]
-            for stage in self._stages
-        ]
-        # a remote root trainer nobody upstream needs dL/dx from: its gradient rides with
-        # the next step's input (one round trip per step), flushed before anyone looks
-        self._deferrable = {
-            n for n, t in self.trains.items()
-            if graph.placement.get(n) is not None and not graph.preds[n] and not t.feeds_back
-        }
-        self._owed: dict[str, Any] = {}
+        if self.staged:
+            self.staged.remote, self.staged.keeper = self.runtime, self.keeper
+            self.staged.naming = self._naming
         self._local = {  # param id -> node id, for what the local optimizer must move
             id(p): n for n, node in graph.catalog.items()
             if n not in self.trains and graph.placement.get(n) is None
             and n not in graph.memory.frozen
-            for p in _params(node) if p.requires_grad
+            for p in params_of(node) if p.requires_grad
         }
         if optimizer is not None:
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
@@ -127,7 +108,7 @@ class Trainer:
         g = self.graph
         out = walk(g, g.plan.order, inputs=dict.fromkeys(g.roots, x), keeper=self.keeper,
                    naming=self._naming, training=True, remote=self.runtime, wanted=g.sinks)
-        loss = self.objective(_output(g, out.values), target)
+        loss = self.objective(output(g, out.values), target)
         loss.backward()
         if self.optimizer is not None:
             self.optimizer.step()
@@ -135,73 +116,21 @@ class Trainer:
         return loss.item()
 
     def _staged_step(self, x: Any, target: Any) -> float:
-        g, a = self.graph, self.running
-        inputs = {}
-        for r in g.roots:
-            if r in self._owed:
-                inputs[r + IN] = Envelope(self._owed.pop(r), then=x, carries=True)
-            else:
-                inputs[r + IN if r in self.trains else r] = x
-        handed: dict[str, Any] = {}  # each value as later stages (and the objective) got it
-        made: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # node -> (value, its leaf)
-        for k, order in enumerate(self._orders):
-            out = walk(a, order, inputs=inputs, given=handed, keeper=self.keeper if k == 0
-                       else None, naming=self._naming and k == 0, training=True,
-                       remote=self.runtime, wanted=self._wanted[k])
-            for n in self._wanted[k]:
-                # each stage starts a fresh autograd graph: what it is handed is a leaf
-                handed[n], made[n] = _leaf(out.values[n], n in self.trains)
-        loss = self.objective(_output(g, handed), target)
+        out, made = self.staged.forward(dict.fromkeys(self.graph.roots, x))
+        loss = self.objective(out, target)
         loss.backward()
-        self._transpose(made)
+        self.staged.backward(made)
         self._check_gradients()
         if self.optimizer is not None:
             self.optimizer.step()
             self.optimizer.zero_grad()
         return loss.item()
 
-    def _transpose(self, made: dict[str, Any]) -> None:
-        """Walk the stages back: trainers get dL/d(output) and answer dL/d(input); what
-        sits between them here is walked through by autograd, one call per stage."""
-        g = self.graph
-        owed: dict[str, torch.Tensor] = {}  # dL/d(value) that trainers answered, by producer
-        for k in reversed(range(len(self._stages))):
-            stage = self._stages[k]
-
-            def signal(n: str) -> Any:
-                leaf = made[n][1] if made.get(n) else None
-                return _plus(None if leaf is None else leaf.grad, owed.pop(n, None))
-
-            for n in reversed([m for m in g.plan.order if m in stage and m in self.trains]):
-                s = signal(n)
-                if n in self._deferrable:
-                    self._owed[n] = s
-                    continue
-                grad_in = self._learn(n, s)
-                if grad_in is not None and g.preds[n]:
-                    (p,) = g.preds[n]
-                    owed[p] = _plus(owed.get(p), grad_in)
-            values, grads = [], []
-            for n in self._wanted[k]:
-                if n in self.trains or not made.get(n) or not made[n][0].requires_grad:
-                    continue
-                s = signal(n)
-                if s is not None:
-                    values.append(made[n][0])
-                    grads.append(s)
-            if values:
-                torch.autograd.backward(values, grads)
-
-    def _learn(self, n: str, signal: Any) -> Any:
-        out = walk(self.running, [n], given={n + COMPUTES: Envelope(signal)}, training=True,
-                   remote=self.runtime)
-        return bare(out.values[n]).signal
-
     def _check_gradients(self) -> None:
         if not self._local:
             return
         missing = sorted({n for n, node in self.graph.catalog.items() if n in self._local.values()
-                          for p in _params(node) if id(p) in self._local and p.grad is None})
+                          for p in params_of(node) if id(p) in self._local and p.grad is None})
         if missing:
             raise NoGradient(
                 f"nodes {missing} are trained here but got no gradient in this step: nothing "
@@ -212,8 +141,8 @@ class Trainer:
 
     def flush(self) -> None:
         """Deliver gradients still owed to trainers (done before reading or closing)."""
-        for n in list(self._owed):
-            self._learn(n, self._owed.pop(n))
+        if self.staged:
+            self.staged.flush()
 
     # -- many steps ---------------------------------------------------------------------
     def fit(self, data: Iterable[tuple[Any, Any]], epochs: int = 1,
@@ -337,7 +266,7 @@ def _refuse(graph: Graph, trains: Mapping[str, Any], optimizer: Any) -> None:
             )
     if optimizer is not None and trains:
         held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        both = sorted(n for n in trains if any(id(p) in held for p in _params(graph.catalog[n])))
+        both = sorted(n for n in trains if any(id(p) in held for p in params_of(graph.catalog[n])))
         if both:
             raise Refused(
                 f"the local optimizer holds weights of {both}, which are also trained where "
@@ -347,39 +276,6 @@ def _refuse(graph: Graph, trains: Mapping[str, Any], optimizer: Any) -> None:
 
 
 # -- small pieces ---------------------------------------------------------------------------
-
-def _params(node: Any) -> list[torch.Tensor]:
-    params = getattr(node, "parameters", None)
-    return list(params()) if callable(params) else []
-
-
-def _trainable(graph: Graph, n: str) -> bool:
-    return n not in graph.memory.frozen and any(p.requires_grad for p in _params(graph[n]))
-
-
-def _output(graph: Graph, values: Mapping[str, Any]) -> Any:
-    sinks = graph.sinks
-    if len(sinks) == 1:
-        return bare(values[sinks[0]])
-    return {s: bare(values[s]) for s in sinks}
-
-
-def _leaf(value: Any, trained: bool) -> tuple[Any, tuple[torch.Tensor, torch.Tensor] | None]:
-    """A value handed across a stage boundary: a tensor that can take a gradient (a
-    trainer's detached output, or one with history here) becomes a leaf that asks for it."""
-    t = bare(value)
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not (
-            trained or t.requires_grad):
-        return value, None
-    leaf = t.detach().requires_grad_()
-    return (Opaque(leaf) if isinstance(value, Opaque) else leaf), (t, leaf)
-
-
-def _plus(a: Any, b: Any) -> Any:
-    if a is None:
-        return b
-    return a if b is None else a + b
-
 
 def _snapshot(node: Any) -> dict[str, torch.Tensor]:
     return {k: t.detach().clone() for k, t in state_of(node)}
