@@ -160,7 +160,8 @@ def walk(
                 values[n] = hits[n]
                 out.hits.append(n)
                 continue
-            values[n] = run_node(n, graph.catalog[n], input_of(n), here, training)
+            values[n] = run_node(graph.reports.get(n, n), graph.catalog[n], input_of(n), here,
+                                 training)
             out.ran.append(n)
             if n in cached and keeper is not None and keys.get(n):
                 _keep(graph, keeper, n, keys[n], values[n])

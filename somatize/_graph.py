@@ -48,8 +48,11 @@ class Graph:
         edges: Iterable[tuple[str, str]],
         placement: Placement | None = None,
         memory: Memory | None = None,
+        reports: Mapping[str, str] | None = None,
     ):
         self.catalog: Mapping[str, Any] = MappingProxyType(dict(catalog))
+        # the id a node's ctx reports, where it is not its own (a trained node's position)
+        self.reports: dict[str, str] = dict(reports or {})
         self.edges: tuple[tuple[str, str], ...] = tuple(dict.fromkeys(edges))
         self.placement = placement or Placement()
         self.memory = memory or Memory()

@@ -67,6 +67,9 @@ class Learning:
 
     node: Any = None  # the user's node it trains, set where the trainer is placed
     feeds_back: bool = True  # whether anything upstream can take dL/dx
+    # False: learn() applies what it learned at once. True: it only accumulates, and the
+    # driver calls step() when its own optimizer steps (Lightning's accumulate_grad_batches)
+    accumulates: bool = False
 
     def enter(self, x: Any, ctx: Ctx) -> Any:
         """Called with the node's input; returns what the node is handed."""
@@ -79,6 +82,9 @@ class Learning:
     def learn(self, signal: Any, ctx: Ctx) -> Any:
         """Given dL/d(output) (None: no gradient this step), answer dL/d(input) or None."""
         return None
+
+    def step(self) -> None:
+        """Apply what ``learn`` accumulated, then forget it (only when ``accumulates``)."""
 
     def state_dict(self) -> dict:
         """What this trainer holds beyond the node's weights (an optimizer's state)."""
@@ -117,7 +123,8 @@ def around(graph, trains) -> Any:
     """The graph as a training run sees it: each trainer in two positions around its node.
 
     ``body`` becomes ``body:in -> body:computes -> body``; the id ``body`` stays with
-    the last position, so fan-in dicts downstream are keyed as they always were.
+    the last position, so fan-in dicts downstream are keyed as they always were, and
+    the node itself still sees ``ctx.node == "body"``.
     """
     from ._graph import Graph, Placement
 
@@ -141,4 +148,5 @@ def around(graph, trains) -> Any:
             hosts.update(dict.fromkeys(ids, host))
     for p, c in graph.edges:
         edges.append((p, c + IN if c in trains else c))
-    return Graph(catalog, edges, Placement(hosts), graph.memory)
+    return Graph(catalog, edges, Placement(hosts), graph.memory,
+                 reports={n + COMPUTES: n for n in trains})

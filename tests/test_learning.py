@@ -99,3 +99,44 @@ def test_an_envelope_carrying_nothing_leaves_the_weights_where_they_were():
     s.leave(body.forward(s.enter(torch.randn(4, 8), ctx), ctx).value.value, ctx)
     assert s.learn(None, ctx) is None
     assert same(before, [p.detach() for p in body.parameters()])
+
+
+def test_a_trained_node_sees_its_own_id_in_ctx_not_its_position():
+    seen = []
+
+    class Watched(Body):
+        def forward(self, x, ctx):
+            seen.append(ctx.node)
+            return super().forward(x, ctx)
+
+    g = Graph.somatize(Watched().named("body") >> Head())
+    trains = {"body": Split(torch.optim.SGD, lr=0.1)}
+    Trainer(g, F.cross_entropy, torch.optim.SGD(parameters(g, without=trains), lr=0.1),
+            trains=trains).step(batches(1)[0])
+    assert seen == ["body"]
+
+
+def test_an_accumulating_split_learns_twice_and_steps_once_on_the_summed_gradient():
+    torch.manual_seed(0)
+    body = Body()
+    oracle = Body()
+    oracle.lin.load_state_dict(body.lin.state_dict())
+    s = Split(torch.optim.SGD, lr=0.1, momentum=0.9)
+    s.node, s.accumulates = body, True
+    ctx = Ctx("body", None, True)
+    xs, signals = torch.randn(2, 4, 8), torch.randn(2, 4, 6)
+    for x, signal in zip(xs, signals, strict=True):
+        s.leave(body.forward(s.enter(x, ctx), ctx).value.value, ctx)
+        s.learn(signal, ctx)
+    assert same(weights_of(oracle), weights_of(body))  # learned, not yet applied
+    s.step()
+    opt = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    for x, signal in zip(xs, signals, strict=True):
+        torch.autograd.backward(oracle.forward(x, ctx).value.value, signal)
+    opt.step()
+    assert same(weights_of(oracle), weights_of(body))
+    assert all(p.grad is None for p in body.parameters())  # forgotten once applied
+
+
+def weights_of(node):
+    return [p.detach().clone() for p in node.parameters()]

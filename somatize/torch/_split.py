@@ -63,9 +63,14 @@ class Split(Learning):
             return None  # nothing handed back: the weights stay where they were
         optimizer = self.optimizer
         torch.autograd.backward(y, signal)
-        optimizer.step()
-        optimizer.zero_grad()
+        if not self.accumulates:
+            optimizer.step()
+            optimizer.zero_grad()
         return x.grad if x is not None and x.requires_grad else None
+
+    def step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad()
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict()}
