@@ -14,6 +14,7 @@ import torch
 from somatize import Done, Graph, Node, Opaque
 from somatize.lightning import SomatizeStrategy
 from somatize.lightning.digits import Body, DigitsData, DigitsModel
+from somatize.remote import Worker
 from somatize.torch import GraphModule
 
 
@@ -99,14 +100,15 @@ class Kill(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 2:
-            p = trainer.strategy.processes["worker"]
-            p.kill()
-            p.join()
+            proc = trainer.strategy.runs["net"].runtime.peers["worker"].proc
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def kill(out):
     try:
-        fit(SomatizeStrategy(timeout=20), steps=10, callbacks=[Kill()])
+        fit(SomatizeStrategy(workers={"worker": Worker.embedded(timeout=20)}), steps=10,
+            callbacks=[Kill()])
     except Exception as e:
         with open(out, "w") as f:
             f.write(f"{type(e).__name__}: {e}")
