@@ -114,6 +114,66 @@ def kill(out):
             f.write(f"{type(e).__name__}: {e}")
 
 
+def standing(out, address):
+    """One process: a graph through somatize.remote, then Lightning on a standing worker."""
+    from somatize.lightning.digits import Head
+
+    x = torch.rand(4, 64)
+    with Graph.somatize(Body().at("worker") >> Head()) as g:
+        g.forward(x)  # an embedded worker, through somatize.remote
+    _, plain, plain_losses = fit("auto")
+    _, split, split_losses = fit(SomatizeStrategy(workers={"worker": Worker.at(address)}))
+    torch.save({"plain": (plain_losses, weights(plain)),
+                "split": (split_losses, weights(split))}, out)
+
+
+class Counted(Body):
+    """The body, counting its runs where it runs."""
+
+    runs = 0
+
+    def forward(self, x, ctx):
+        self.runs += 1
+        return super().forward(x, ctx)
+
+
+class Encoded(DigitsModel):
+    """A frozen, cached body on the worker; the head trains here."""
+
+    def __init__(self):
+        super().__init__(lr=0.5)
+        from somatize.lightning.digits import Head
+
+        self.net = GraphModule(Graph.somatize(
+            Counted().named("body").at("worker").frozen().cached() >> Head()))
+
+
+class RunsOverThere(pl.Callback):
+    """How many times the body ran on the worker, at the end of each epoch."""
+
+    def __init__(self):
+        self.counts = []
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        rt = trainer.strategy.runs["net"].runtime
+        self.counts.append(rt.call("worker", lambda live: live["body"].runs))
+
+
+def worker_keeps(out, store):
+    from somatize.lightning import SomatizeCache
+
+    counted = RunsOverThere()
+    strategy = SomatizeStrategy(workers={"worker": Worker.embedded(store=store)})
+    pl.seed_everything(0)
+    trainer = pl.Trainer(max_epochs=2, strategy=strategy, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         limit_val_batches=1, enable_checkpointing=False,
+                         callbacks=[SomatizeCache(os.path.join(os.path.dirname(out), "here")),
+                                    counted])
+    trainer.fit(Encoded(), DigitsData(batch_size=32, limit=64, shuffle=False))
+    torch.save({"counts": counted.counts}, out)
+
+
 if __name__ == "__main__":
-    {"oracle": oracle, "resume": resume, "all_remote": all_remote, "kill": kill}[sys.argv[1]](
-        *sys.argv[2:])
+    {"oracle": oracle, "resume": resume, "all_remote": all_remote, "kill": kill,
+     "standing": standing, "worker_keeps": worker_keeps}[sys.argv[1]](*sys.argv[2:])

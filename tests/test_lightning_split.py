@@ -2,11 +2,16 @@
 is a subprocess (tests/lightning_runs.py), since RPC starts once per process."""
 
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
+from test_remote_standing import _free_port, _listening
+
+from somatize.store import open_keeper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(ROOT, "tests", "lightning_runs.py")
@@ -63,3 +68,37 @@ def test_killing_the_worker_mid_fit_ends_the_run_with_an_error_naming_it(tmp_pat
     message = out.read_text()
     assert message.startswith("WorkerError")
     assert "worker 'worker'" in message
+
+
+def test_a_standing_worker_trains_the_body_and_one_process_also_uses_somatize_remote(tmp_path):
+    port = _free_port()
+    daemon = subprocess.Popen(
+        [sys.executable, "-m", "somatize.worker", "--name", "worker", "--listen",
+         f"127.0.0.1:{port}"], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        assert _listening(port, time.monotonic() + 30), "the daemon never listened"
+        out = tmp_path / "standing.pt"
+        run("standing", out, f"127.0.0.1:{port}")
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait(timeout=10)
+    got = torch.load(out)
+    plain_losses, plain = got["plain"]
+    split_losses, split = got["split"]
+    assert split_losses == plain_losses
+    for k in plain:
+        assert torch.equal(split[k], plain[k]), k
+
+
+def test_a_cached_body_on_a_worker_with_a_store_is_looked_up_there(tmp_path):
+    store = tmp_path / "worker-store"
+    out = tmp_path / "counts.pt"
+    run("worker_keeps", out, store)
+    counts = torch.load(out)["counts"]
+    assert counts[0] > 0 and counts[1] == counts[0]  # epoch 2 found every batch over there
+    assert list(open_keeper(str(store)).names("value/"))  # kept over there
+
