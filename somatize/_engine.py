@@ -46,6 +46,40 @@ class Stretch:
     wanted: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class Named:
+    """What is known of a walk before anything runs: every key, and the cached values
+    the keeper already holds (by node, their code fingerprints checked)."""
+
+    keys: Mapping[str, str | None]
+    hits: Mapping[str, Any]
+
+
+def look_up(
+    graph,
+    order: Iterable[str],
+    *,
+    inputs: Mapping[str, Any],
+    given_keys: Mapping[str, str | None] | None = None,
+    here: str | None = None,
+    keeper: Any = None,
+) -> Named:
+    """Name the nodes of ``order`` over ``inputs`` and ask ``keeper`` for the cached ones
+    run on ``here``'s side: the part of a walk that runs no node."""
+    keys = _name(graph, order, inputs, given_keys or {})
+    hits: dict[str, Any] = {}
+    if keeper is not None:
+        cached = _cached_here(graph, here)
+        ask = [n for n in order if n in cached and keys.get(n)]
+        if ask:
+            found = keeper.get_many([f"value/{keys[n]}" for n in ask])
+            for n, kept in zip(ask, found, strict=True):
+                if kept is not None:
+                    _check_fingerprint(graph, n, kept.meta)
+                    hits[n] = kept.value
+    return Named(keys, hits)
+
+
 def run_node(node_id: str, node: Any, x: Any, host: str | None, training: bool) -> Any:
     """Call one node's forward with its bare input; return what its ``Done`` holds."""
     out = node.forward(bare(x), Ctx(node_id, host, training))
@@ -82,31 +116,21 @@ def walk(
         remote: the transport that runs stretches on other hosts.
         wanted: the nodes whose values the caller needs (default: all).
     """
-    order = list(order)
+    order = tuple(order)
     inputs = inputs or {}
     given = dict(given or {})
     preds = graph.preds
     out = Outcome()
     values = out.values
     keys = out.keys
-    if naming:
-        keys.update(_name(graph, order, inputs, given_keys or {}))
-
-    cached = {n for n in order if n in graph.memory.cached and graph.placement.get(n) == here}
     hits: dict[str, Any] = {}
-    if keeper is not None and naming:
-        ask = [n for n in order if n in cached and keys.get(n)]
-        if ask:
-            found = keeper.get_many([f"value/{keys[n]}" for n in ask])
-            for n, kept in zip(ask, found, strict=True):
-                if kept is not None:
-                    _check_fingerprint(graph, n, kept.meta)
-                    hits[n] = kept.value
-    needed = set(order if wanted is None else wanted)
-    for n in reversed(order):
-        if n in needed and n not in hits:
-            needed.update(preds[n])
-    todo = [n for n in order if n in needed]
+    if naming:
+        named = look_up(graph, order, inputs=inputs, given_keys=given_keys, here=here,
+                        keeper=keeper)
+        keys.update(named.keys)
+        hits = named.hits
+    shape = _shape_of(graph, order, here, wanted, hits)
+    cached, needed = shape.cached, shape.needed
 
     def read(consumer: str, p: str) -> Any:
         v = values[p] if p in values else given[p] if p in given else _missing(consumer, p)
@@ -132,7 +156,7 @@ def walk(
             return read(n, ps[0])
         return FanIn({p: read(n, p) for p in ps})
 
-    for wave in units(preds, todo, graph.placement.hosts, here):
+    for wave in shape.waves:
         pending = []
         for unit in wave:
             if unit.host is None:
@@ -148,8 +172,7 @@ def walk(
                 naming=naming,
                 training=training,
                 wanted=tuple(m for m in unit.nodes if m in needed and (
-                    m in (wanted if wanted is not None else order)
-                    or any(c not in inside for c in graph.successors(m)))),
+                    m in shape.wanted or any(c not in inside for c in graph.successors(m)))),
             )
             pending.append(remote.submit(stretch))
         for unit in wave:
@@ -172,6 +195,46 @@ def walk(
             out.ran += got.ran
             out.hits += got.hits
     return out
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a walk runs, read off the graph alone: the same for every batch of a run."""
+
+    cached: frozenset[str]  # cached nodes run on this side
+    wanted: frozenset[str]  # what the caller reads
+    needed: frozenset[str]  # what must run (or be a hit) to produce it
+    todo: tuple[str, ...]
+    waves: tuple  # units(...) of todo
+
+
+# per graph, the shapes of the walks asked of it (a handful: one per order, side, wanted
+# and set of hits); a graph's preds, placement and memory never change once built
+_shapes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _shape_of(graph, order: tuple[str, ...], here: str | None, wanted, hits) -> _Shape:
+    wanted = order if wanted is None else tuple(wanted)
+    memo = _shapes.setdefault(graph, {})
+    k = (order, here, wanted, frozenset(hits))
+    shape = memo.get(k)
+    if shape is None:
+        preds = graph.preds
+        needed = set(wanted)
+        for n in reversed(order):
+            if n in needed and n not in hits:
+                needed.update(preds[n])
+        todo = tuple(n for n in order if n in needed)
+        shape = _Shape(_cached_here(graph, here), frozenset(wanted), frozenset(needed), todo,
+                       tuple(units(preds, todo, graph.placement.hosts, here)))
+        if len(memo) > 256:  # bounded: hits that vary batch to batch make new shapes
+            memo.clear()
+        memo[k] = shape
+    return shape
+
+
+def _cached_here(graph, here: str | None) -> frozenset[str]:
+    return frozenset(n for n in graph.memory.cached if graph.placement.get(n) == here)
 
 
 def _missing(consumer: str, p: str):
@@ -262,7 +325,9 @@ def run_graph(graph, input, *, store=None, workers=None, feeds=None, training=Fa
         from .remote import runtime_for
 
         remote = runtime_for(graph, workers)
-    naming = keeper is not None or bool(remote is not None and remote.keeps())
+    # keys are computed only where something cached can be kept (here or on a worker)
+    naming = bool(graph.memory.cached) and (
+        keeper is not None or bool(remote is not None and remote.keeps()))
     if graph.memory.cached and not naming:
         say_once(("nothing kept", id(graph)),
                  f"nodes {sorted(graph.memory.cached)} are .cached() but no store was given "

@@ -13,7 +13,7 @@ from somatize._keys import fingerprint, key_of_input, key_of_node
 from somatize._say import forget
 from somatize._values import Blob, _codecs
 from somatize.store import Store
-from somatize.torch import freeze
+from somatize.torch import Trainer, freeze
 
 
 @pytest.fixture(autouse=True)
@@ -156,6 +156,21 @@ def test_nothing_is_named_without_a_keeper(store):
         assert walk(g, g.plan.order, inputs={"unwrap": Counted(x)}).keys == {}
         g.forward(Counted(x), store=store)
         assert Counted.dumps == 1
+    finally:
+        _codecs.pop("counted")
+
+
+def test_with_nothing_cached_a_store_costs_no_hashing(store):
+    codec("counted", Counted, dump=_dump, load=lambda b: None)
+    try:
+        g = settled(Unwrap().frozen(), Encoder().frozen(), Head())  # frozen, not cached
+        Counted.dumps = 0
+        g.forward(Counted(x), store=store)
+        trainer = Trainer(g, objective=lambda y, t: (y - t).pow(2).mean(), store=store,
+                          optimizer=torch.optim.SGD(g["head"].parameters(), lr=0.1))
+        trainer.step((Counted(x), torch.zeros(2, 2)))
+        assert Counted.dumps == 0  # nothing can be kept: nothing is named
+        assert list(store.names()) == []
     finally:
         _codecs.pop("counted")
 

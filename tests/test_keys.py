@@ -15,6 +15,15 @@ def test_the_pieces_of_a_recipe_cannot_run_into_each_other():
     assert key_of_node("Enc", None, "ab", p) != key_of_node("Enc", "a", "b", p)
 
 
+def test_a_name_is_blake3_over_length_prefixed_pieces_so_stores_written_before_still_match():
+    import struct
+
+    from blake3 import blake3
+
+    stream = b"".join(struct.pack("<Q", len(p)) + p for p in [b"node", b"Enc", b"", b"k0"])
+    assert digest(["node", "Enc", "", b"k0"]) == blake3(stream).hexdigest()
+
+
 def test_the_same_recipe_is_the_same_name_every_time():
     k = key_of_node("Enc", "digest", "salt", [("root", "k0")])
     assert all(key_of_node("Enc", "digest", "salt", [("root", "k0")]) == k for _ in range(3))

@@ -6,8 +6,6 @@ safetensors dtype, a shape and its bytes (read in place, never copied), and back
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from .._values import Blob, codec
@@ -37,12 +35,12 @@ def to_blob(t: torch.Tensor) -> Blob:
 def from_blob(blob: Blob) -> torch.Tensor:
     """A tensor from bytes, on the CPU, a leaf; shares the buffer when it can."""
     dtype = TORCH_DTYPES[blob.dtype]
-    if not len(memoryview(blob.data)):
+    data = memoryview(blob.data)
+    if not len(data):
         return torch.empty(blob.shape, dtype=dtype)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # a read-only buffer: the store hands out private copies
-        flat = torch.frombuffer(blob.data, dtype=torch.uint8)
-    return flat.view(dtype).reshape(blob.shape)
+    if data.readonly:  # a tensor may be written to: never over bytes someone else owns
+        data = bytearray(data)
+    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(blob.shape)
 
 
 codec("tensor", torch.Tensor, dump=to_blob, load=from_blob)

@@ -81,8 +81,9 @@ class Trainer:
 
             self.runtime = runtime_for(self.running, workers)
             self.runtime.provision(self.running)
-        self._naming = self.keeper is not None or bool(
-            self.runtime is not None and self.runtime.keeps())
+        # keys are computed only where something cached can be kept (here or on a worker)
+        self._naming = bool(graph.memory.cached) and (self.keeper is not None or bool(
+            self.runtime is not None and self.runtime.keeps()))
         if self.staged:
             self.staged.remote, self.staged.keeper = self.runtime, self.keeper
             self.staged.naming = self._naming
