@@ -11,7 +11,8 @@
 3. A frozen cached encoder (MLP 784->2048->2048->256) under a trained head (256->10),
    batch 256, 20 batches, through ``somatize.torch.Trainer``: epoch 2+ against training
    the head alone on precomputed features (target: <= 1.15x), and the speedup over not
-   caching.
+   caching; and what hashing the next input in a thread, while the head trains on this
+   one, would save (the pipelining a hit could use; it needs a core left free).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -124,6 +126,14 @@ def bench_keys(root: Path, repeats: int) -> None:
     print(f"2. hash 64 MB: BLAKE3 alone {raw['blake3']:.1f} ms "
           f"({64 * 1.048576 / raw['blake3']:.2f} GB/s), key_of_input {raw['key']:.1f} ms "
           f"({raw['blake3'] / raw['key']:.0%} of BLAKE3's throughput)")
+    threads = []
+    for mb in (0.75, 4, 64):  # BLAKE3's own threads: where they start to pay, on this machine
+        mv = memoryview(big.numpy()).cast("B")[:int(mb * 2**20)]
+        t = side_by_side({"1": lambda mv=mv: blake3(mv).digest(),
+                          "auto": lambda mv=mv: blake3(mv, max_threads=blake3.AUTO).digest()},
+                         repeats * (20 if mb < 1 else 3 if mb < 64 else 1))
+        threads.append(f"{mb:g} MB {t['1']:.2f} -> {t['auto']:.2f} ms")
+    print(f"   BLAKE3 one thread -> max_threads=AUTO: {'; '.join(threads)}")
     g = freeze(Graph.somatize(Encoder().frozen().cached() >> Head()))
     head = g["head"]
     trainer = Trainer(g, objective=F.cross_entropy,
@@ -189,6 +199,44 @@ def bench_cached_encoder(root: Path, repeats: int) -> None:
           f"{part['key']:.2f} ms (BLAKE3 over 784 KB), the lookup {part['get']:.2f} ms, "
           f"and the engine/trainer the rest "
           f"({ms['cached'] / len(data) - per - part['key'] - part['get']:.2f} ms)")
+    overlap(data, features, repeats)
+
+
+def overlap(data, features, repeats: int) -> None:
+    """What hashing the next batch in a thread, while the head trains on this one, would
+    save: the head alone, then with each input hashed before its step, then in a thread."""
+    head = Head().lin
+    opt = torch.optim.Adam(head.parameters(), lr=1e-3)
+
+    def step(f, y):
+        loss = F.cross_entropy(head(f), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        loss.item()
+
+    def hashed(x):
+        return blake3(memoryview(x.numpy()).cast("B")).digest()
+
+    def before():
+        for (f, y), (x, _) in zip(features, data, strict=True):
+            hashed(x)
+            step(f, y)
+
+    def in_thread():
+        with ThreadPoolExecutor(1) as pool:
+            job = pool.submit(hashed, data[0][0])
+            for k, (f, y) in enumerate(features):
+                job.result()
+                if k + 1 < len(data):
+                    job = pool.submit(hashed, data[k + 1][0])
+                step(f, y)
+
+    ms = side_by_side({"head": lambda: [step(f, y) for f, y in features], "before": before,
+                       "thread": in_thread}, repeats)
+    print(f"   hashing each input before its step: {ms['before'] / ms['head']:.2f}x the head "
+          f"alone; in a thread while the previous step trains: "
+          f"{ms['thread'] / ms['head']:.2f}x (load average {os.getloadavg()[0]:.1f})")
 
 
 def main(argv: list[str] | None = None) -> int:
