@@ -39,11 +39,10 @@ def _serve_run(conn: socket.socket, host: str, store: str | None, children: set)
             return
         if store is not None:
             argv += ["--store", store]
-        env = dict(os.environ)
-        env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # only a process we start can have it
-        if _loopback(host) and "TP_SOCKET_IFNAME" not in env:  # listen where we were told
-            from .remote._group import _loopback_iface
+        from .remote._group import _loopback_iface, serving_env
 
+        env = serving_env(dict(os.environ))  # only a process we start can have them
+        if _loopback(host) and "TP_SOCKET_IFNAME" not in env:  # listen where we were told
             env["TP_SOCKET_IFNAME"] = _loopback_iface()
         proc = subprocess.Popen([sys.executable, "-m", "somatize.remote", *argv],
                                 stdin=subprocess.PIPE, env=env)

@@ -39,7 +39,18 @@ def test_a_big_matrix_product_over_there_equals_here_with_the_default_threads(tm
             # worker's default (as many threads as here) keeps the equality
             assert torch.equal(g.forward(odd), here_odd)
             assert g._runtime.call("gpu", lambda live: torch.get_num_threads()) == 2
+            # and its math threads sleep once a node is done, not spin on our cores
+            assert g._runtime.call("gpu", lambda live: os.environ["OMP_WAIT_POLICY"]) == \
+                "PASSIVE"
     """, tmp_path)
+
+
+def test_a_worker_is_started_with_what_the_environment_says_before_our_defaults():
+    from somatize.remote._group import serving_env
+
+    assert serving_env({})["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert serving_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert serving_env({})["THP_MEM_ALLOC_ENABLE"] == "1"
 
 
 def test_a_class_defined_in_the_script_travels_by_value(tmp_path):

@@ -363,9 +363,21 @@ def _threads_here() -> int:
     return torch.get_num_threads()
 
 
+# what a serving process starts with unless the environment says otherwise (both are read
+# once, before torch is imported, so only a process somatize starts can be given them):
+# huge pages, so large tensors are received faster; and math threads that sleep as soon as
+# a node is done instead of spinning for milliseconds (libgomp's default), because the
+# coordinator computes on the same cores while the worker waits, and back
+SERVING_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def serving_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with ``SERVING_ENV``'s settings where it says nothing of them."""
+    return {**SERVING_ENV, **env}
+
+
 def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # must be set before torch is imported
+    env = serving_env(dict(os.environ))
     env["TP_SOCKET_IFNAME"] = os.environ.get("TP_SOCKET_IFNAME") or _loopback_iface()
     # what imports here imports there: the script's directory and every path of this process
     paths = [os.path.abspath(p or os.getcwd()) for p in sys.path]
