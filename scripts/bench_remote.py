@@ -3,6 +3,7 @@
     python scripts/bench_remote.py                 # the default transport (uv), ~1 minute
     python scripts/bench_remote.py --quick         # fewer repeats
     python scripts/bench_remote.py --compare       # each transport/channel in its own run
+    python scripts/bench_remote.py --spin          # this process's math threads busy-wait
 
 1. A forward of an MLP body (784->1024->1024, batch 256) placed on a local worker
    against the same forward here (target: <= 1.15x), with the breakdown: the call
@@ -14,7 +15,9 @@
 3. The per-call overhead of an empty stretch against a bare ``rpc_sync`` no-op.
 
 RPC starts once per process (pytorch#46491), so ``--compare`` runs this script once
-per transport setting, each in a fresh process.
+per transport setting, each in a fresh process. The worker's math threads sleep when
+idle (somatize starts it with ``OMP_WAIT_POLICY=PASSIVE``); this process's do too unless
+``--spin`` (libgomp reads it once, before torch is imported).
 """
 
 from __future__ import annotations
@@ -27,14 +30,20 @@ import subprocess
 import sys
 import time
 
-import torch
-import torch.distributed.rpc as rpc
-from torch import nn
+# libgomp reads this once, when torch is imported: this process's math threads sleep
+# between ops, as the workers' do (somatize starts them so), unless --spin keeps libgomp's
+# default (busy-waiting ~3 ms after each op, on the cores the worker computes on)
+if "--spin" not in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from somatize import Graph
-from somatize._engine import Stretch
-from somatize.remote import Worker, _serve, configure, runtime_for
-from somatize.torch import node
+import torch  # noqa: E402
+import torch.distributed.rpc as rpc  # noqa: E402
+from torch import nn  # noqa: E402
+
+from somatize import Graph  # noqa: E402
+from somatize._engine import Stretch  # noqa: E402
+from somatize.remote import Worker, _serve, configure, runtime_for  # noqa: E402
+from somatize.torch import node  # noqa: E402
 
 
 def median_ms(fn, repeats: int, warm: int = 3) -> float:
@@ -115,7 +124,9 @@ def run(repeats: int) -> dict:
 
 
 def show(name: str, r: dict) -> None:
-    print(f"\n== {name} (math threads {r['threads']} here and there) ==")
+    print(f"\n== {name} (math threads {r['threads']} here and there; OMP_WAIT_POLICY "
+          f"{os.environ.get('OMP_WAIT_POLICY', '(libgomp default)')} here, PASSIVE there; "
+          f"load {os.getloadavg()[0]:.2f}) ==")
     print(f"1. body forward: here {r['forward_here_ms']:.2f} ms, on a worker "
           f"{r['forward_remote_ms']:.2f} ms -> ratio {r['ratio']:.3f} (target <= 1.15)")
     print(f"   breakdown: call overhead {r['overhead_ms']:.2f} ms + transfer "
@@ -143,6 +154,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compare", action="store_true", help="each transport setting in turn")
+    ap.add_argument("--spin", action="store_true", help="keep libgomp's busy-wait here")
     ap.add_argument("--settings", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -150,8 +162,7 @@ def main() -> int:
     if args.compare:
         for name, s in SETTINGS.items():
             cmd = [sys.executable, __file__, "--settings", json.dumps(s), "--json"]
-            if args.quick:
-                cmd.append("--quick")
+            cmd += [a for a in ("--quick", "--spin") if getattr(args, a[2:])]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                                  env=dict(os.environ))
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]
@@ -165,8 +176,9 @@ def main() -> int:
     r = run(repeats)
     if args.json:
         print(json.dumps(r))
-    else:
-        show("uv (default)" if not args.settings else args.settings, r)
+        return 0
+    print(f"$ {' '.join(sys.argv)}")
+    show("uv (default)" if not args.settings else args.settings, r)
     return 0
 
 

@@ -4,24 +4,39 @@ torch-native way (RemoteModule + distributed autograd + DistributedOptimizer).
 
     python scripts/bench_split.py              # medians of 5 repeats of 10 steps
     python scripts/bench_split.py --repeats 3 --steps 5
+    python scripts/bench_split.py --spin       # this process's math threads busy-wait
 
 Body 784->1024->1024 (ReLU between), head 1024->10 here, batch 256, SGD. Prints
 milliseconds per step, the ratios, and a breakdown of what a split step costs beyond
 the compute: a bare round trip, and moving the step's tensors there and back.
+
+The worker's math threads sleep when idle (somatize starts it with
+``OMP_WAIT_POLICY=PASSIVE``); this process's do too unless ``--spin``, as a user's
+process does when started with ``OMP_WAIT_POLICY=PASSIVE`` (it must be set before torch
+is imported). On a machine whose cores the coordinator and its worker share, a team left
+busy-waiting on one side slows the other side's compute: see the two settings printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
-import torch
-import torch.nn.functional as F
-from torch import nn
+# libgomp reads this once, when torch is imported: this process's math threads sleep
+# between ops, as the workers' do (somatize starts them so), unless --spin keeps libgomp's
+# default (busy-waiting ~3 ms after each op, on the cores the worker computes on)
+if "--spin" not in sys.argv:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from somatize import Done, Graph, Node, Opaque
-from somatize.torch import Split, Trainer, parameters
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+
+from somatize import Done, Graph, Node, Opaque  # noqa: E402
+from somatize.torch import Split, Trainer, parameters  # noqa: E402
 
 LR = 0.01
 
@@ -97,6 +112,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--spin", action="store_true", help="keep libgomp's busy-wait here")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(1)
     n = args.steps + 2
@@ -148,12 +164,17 @@ def main() -> None:
     split.flush()
 
     med = {k: statistics.median(v) for k, v in rows.items()}
-    print(f"threads {torch.get_num_threads()}, repeats {args.repeats} x {args.steps} steps")
+    print(f"$ {' '.join(sys.argv)}")
+    print(f"threads {torch.get_num_threads()}, repeats {args.repeats} x {args.steps} steps, "
+          f"OMP_WAIT_POLICY here {os.environ.get('OMP_WAIT_POLICY', '(libgomp default)')}, "
+          f"on the worker {_there(rt, 'OMP_WAIT_POLICY')}, load {os.getloadavg()[0]:.2f}")
     for k, v in med.items():
         print(f"  {k:16s} {v:7.2f} ms   (runs: {', '.join(f'{x:.1f}' for x in rows[k])})")
-    print(f"  split / one piece   {med['somatize split'] / med['one piece']:.3f}")
+    ratio = med["somatize split"] / med["one piece"]
+    print(f"  split / one piece   {ratio:.3f}   (target <= 1.10)")
     print(f"  native / one piece  {med['torch native'] / med['one piece']:.3f}")
-    print(f"  split / native      {med['somatize split'] / med['torch native']:.3f}")
+    print(f"  split / native      {med['somatize split'] / med['torch native']:.3f}   "
+          "(target <= 1)")
     print(f"  split - one piece   {med['somatize split'] - med['one piece']:.2f} ms per step "
           f"(one round trip per step: step k's gradient rides with step k+1's input)")
     print("  bit-identical losses: split", losses["somatize split"] == losses["one piece"],
@@ -163,6 +184,14 @@ def main() -> None:
 
 def _nothing(live):
     return None
+
+
+def _there(rt, name):
+    return rt.call("gpu", _env, name)
+
+
+def _env(live, name):
+    return os.environ.get(name, "(libgomp default)")
 
 
 def _echo(live, x, act):
