@@ -16,7 +16,11 @@ MLP body) and lost the forward overall (2.4x here vs 1.5x); the ``mpt_uv`` chann
 moves 64 MB five times faster (3.6 vs 0.7 GB/s) but 1 MB slower (1.0 vs 0.7 ms), and
 activations are mostly small: ``configure(channels=["mpt_uv"])`` for big ones.
 Processes started here get ``THP_MEM_ALLOC_ENABLE=1`` (huge pages: large tensors are
-received faster; it must be set before torch is imported) and ``TP_SOCKET_IFNAME=lo``;
+received faster; it must be set before torch is imported), ``OMP_WAIT_POLICY=PASSIVE``
+(libgomp's default busy-waits ~3 ms after every op, on the cores the coordinator computes
+on: on the 2-core VM with other processes busy, a split step of ``bench_split.py``'s MLP
+took 150-163 ms with the worker's threads spinning and 39-54 ms with them asleep) and
+``TP_SOCKET_IFNAME=lo``;
 the rendezvous is ours so that it too listens on loopback only (torch's ``tcp://``
 listens on every interface).
 """
@@ -231,6 +235,11 @@ class Group:
             if spec.store is not None:
                 cmd += ["--store", spec.store]
             p = Peer(name, host, "embedded", spec.timeout, rank=rank)
+            if not {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & set(os.environ):
+                log.info("worker %r shares this machine's cores: start this process with "
+                         "OMP_WAIT_POLICY=PASSIVE (before torch is imported) so that its idle "
+                         "math threads sleep instead of spinning while the worker computes "
+                         "(scripts/bench_split.py --spin shows the difference)", host)
             p.proc = subprocess.Popen([sys.executable, "-m", "somatize.remote", *cmd],
                                       stdin=subprocess.PIPE, env=_child_env())
             p.pid = p.proc.pid
