@@ -5,6 +5,7 @@ they save.
     python tests/lightning_runs.py oracle OUT.pt 2     # plain then split, accumulate 2
 """
 
+import logging
 import os
 import sys
 
@@ -47,11 +48,41 @@ def weights(model):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+class Where(pl.Callback):
+    """Where the body trained: did its weights in this process move during fit, which
+    process answers for the worker, and how many tensors Lightning's optimizers hold."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.start = pl_module.net.nodes["body"].lin.weight.detach().clone()
+        self.moved_here = False
+        self.held = sum(len(g["params"]) for o in trainer.optimizers for g in o.param_groups)
+        self.worker_pid = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.moved_here |= not torch.equal(pl_module.net.nodes["body"].lin.weight, self.start)
+        runs = getattr(trainer.strategy, "runs", {})
+        if "net" in runs:
+            self.worker_pid = runs["net"].runtime.call("worker", lambda live: os.getpid())
+
+    def evidence(self):
+        return {"moved_here": self.moved_here, "held": self.held,
+                "worker_pid": self.worker_pid, "pid": os.getpid()}
+
+
 def oracle(out, accumulate):
-    _, plain, plain_losses = fit("auto", accumulate=int(accumulate))
-    _, split, split_losses = fit(SomatizeStrategy(), accumulate=int(accumulate))
+    said = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())
+    logging.getLogger("somatize").addHandler(handler)
+    logging.getLogger("somatize").setLevel(logging.INFO)
+    plain_where, split_where = Where(), Where()
+    _, plain, plain_losses = fit("auto", accumulate=int(accumulate), callbacks=[plain_where])
+    _, split, split_losses = fit(SomatizeStrategy(), accumulate=int(accumulate),
+                                 callbacks=[split_where])
     torch.save({"plain": (plain_losses, weights(plain)),
-                "split": (split_losses, weights(split))}, out)
+                "split": (split_losses, weights(split)),
+                "where": {"plain": plain_where.evidence(), "split": split_where.evidence()},
+                "said": said}, out)
 
 
 def resume(out, part):

@@ -37,6 +37,15 @@ def test_split_training_through_lightning_equals_one_piece_bit_for_bit(tmp_path,
     assert plain.keys() == split.keys()
     for k in plain:
         assert torch.equal(split[k], plain[k]), k
+    # and the body really trained over there: its weights here never moved during fit
+    # (they are read back at the end), a worker process answered, Lightning's optimizer
+    # held the head only, and the strategy said it took the body's weights out
+    where = got["where"]
+    assert where["plain"]["moved_here"] and where["plain"]["held"] == 4
+    assert not where["split"]["moved_here"] and where["split"]["held"] == 2
+    assert where["split"]["worker_pid"] not in (None, where["split"]["pid"])
+    assert any("node 'body' is trained on worker 'worker'" in m
+               and "taken out of Lightning's optimizers" in m for m in got["said"]), got["said"]
 
 
 def test_a_run_resumed_from_its_checkpoint_matches_the_uninterrupted_one(tmp_path):
