@@ -2,6 +2,8 @@
 ``g.forward(x, store=...)`` on a real directory store."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -125,6 +127,31 @@ def test_an_opaque_root_with_no_codec_leaves_everything_below_nameless_not_an_er
     y2 = g.forward(Opaque(Handle(x)), store=store)
     assert torch.equal(y1, y2) and RUNS["encoder"] == 3
     assert list(store.names()) == []
+
+
+def test_a_tensor_root_without_somatize_torch_keeps_nothing_and_says_why_once(tmp_path):
+    # the tensor's codec comes with importing somatize.torch, which somatize never does
+    code = f"""
+import logging, sys, torch
+from somatize import Graph, Node, Done, Opaque
+from somatize.store import Store
+
+class Tok(Node):
+    def forward(self, x, ctx):
+        print("ran", flush=True)
+        return Done(Opaque(x * 2))
+
+g = Graph.somatize(Tok().frozen().cached())
+for _ in range(2):
+    assert torch.equal(g.forward(torch.ones(2), store={str(tmp_path)!r}), torch.full((2,), 2.0))
+assert "somatize.torch" not in sys.modules
+assert list(Store({str(tmp_path)!r}).names()) == []
+"""
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["ran", "ran"]
+    assert r.stderr.count("'tok' is fed a Tensor that has no codec") == 1, r.stderr
+    assert "import somatize.torch" in r.stderr
 
 
 class Counted:

@@ -40,6 +40,23 @@ def test_bf16_mixed_precision_is_refused_at_setup():
             DigitsModel(), DigitsData(limit=64))
 
 
+def test_gradient_clipping_is_refused_at_setup_it_would_miss_the_workers_weights():
+    with pytest.raises(Refused, match="gradient_clip_val is refused.*trained on the workers"):
+        trainer(gradient_clip_val=1.0, strategy=SomatizeStrategy()).fit(
+            DigitsModel(), DigitsData(limit=64))
+
+
+def test_trains_naming_a_node_not_there_or_one_that_runs_here_is_refused_at_setup():
+    from somatize.torch import Split
+
+    with pytest.raises(Refused, match=r"trains names \['bodyy'\], not in the graph.*'body'"):
+        trainer(strategy=SomatizeStrategy(trains={"bodyy": Split(torch.optim.SGD, lr=0.1)})
+                ).fit(DigitsModel(), DigitsData(limit=64))
+    with pytest.raises(Refused, match="trains names 'head', which runs here"):
+        trainer(strategy=SomatizeStrategy(trains={"head": Split(torch.optim.SGD, lr=0.1)})
+                ).fit(DigitsModel(), DigitsData(limit=64))
+
+
 def test_the_strategy_is_registered_by_name():
     assert isinstance(trainer(strategy="somatize").strategy, SomatizeStrategy)
 

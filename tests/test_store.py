@@ -78,6 +78,27 @@ def test_the_same_bytes_under_two_names_are_stored_once(store):
     assert store.get("value/two").meta == {"node": "b"}
 
 
+def test_a_blob_is_never_rewritten_in_place_while_a_reader_holds_it_mapped(store):
+    import mmap
+
+    t = torch.randn(256, 64)
+    store.put("value/v", t)
+    path = store.blob_path(store.entry("value/v").blob)
+    before = path.stat()
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+        held = bytes(mapped)
+        store.put("value/v", t.clone())  # the same bytes again, under the same name
+        store.put("value/w", t.clone())  # and under another
+        store.put("value/v", t + 1)  # the name now points elsewhere: a new blob
+        after = path.stat()
+        assert (after.st_ino, after.st_mtime_ns, after.st_size) == (
+            before.st_ino, before.st_mtime_ns, before.st_size)
+        assert bytes(mapped) == held  # a truncation here would have been SIGBUS
+    assert store.entry("value/v").blob != store.entry("value/w").blob
+    assert torch.equal(store.get("value/w").value, t)
+    assert torch.equal(store.get("value/v").value, t + 1)
+
+
 # -- packing: one safetensors file, written by hand, never unpickled --
 
 def test_a_nested_value_comes_back_as_it_was(store):

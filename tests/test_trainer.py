@@ -234,3 +234,14 @@ def test_fit_returns_every_loss_and_with_closes(caplog):
         losses = t.fit(batches(4), epochs=2, progress=False)
     assert len(losses) == 8 and all(isinstance(x, float) for x in losses)
     assert "epoch 2/2: mean loss" in caplog.text
+
+
+def test_fit_shows_a_progress_bar_with_the_running_loss_and_a_flag_turns_it_off(capsys):
+    g = Graph.somatize(Body() >> Head())
+    t = Trainer(g, F.cross_entropy, SGD(parameters(g)))
+    losses = t.fit(batches(3), epochs=1)
+    shown = capsys.readouterr().err
+    assert "epoch 1/1" in shown and f"loss={sum(losses) / 3:.4f}" in shown, shown
+    t.fit(batches(3), epochs=1, progress=False)
+    assert capsys.readouterr().err == ""
+
