@@ -54,3 +54,24 @@ def no_worker_left(pids) -> bool:
             if f.read().split()[2] != "Z":
                 return False
     return True
+
+
+def listening(pid) -> list[str]:
+    """The addresses (hex, as /proc/net/tcp writes them) process ``pid`` listens on."""
+    mine = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[len("socket:["):-1])
+    out = []
+    for proto in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{proto}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in mine:  # 0A: LISTEN
+                    out.append(fields[1].split(":")[0])
+    return out
+

@@ -24,6 +24,41 @@ def test_the_seeds_graph_on_an_embedded_worker_equals_one_process(tmp_path):
     assert no_worker_left([out.split("PID")[1].split()[0]])
 
 
+def test_the_coordinator_and_its_worker_listen_on_loopback_only(tmp_path):
+    out = coordinate("""
+        from remote_run import listening
+        with Graph.somatize(Body().at("gpu") >> Head()) as g:
+            g.forward(x)
+            for pid in (os.getpid(), g._runtime.peers["gpu"].pid):
+                print("LISTENS", pid, *listening(pid))
+            # TensorPipe binds the hostname's interface unless told: here the hostname may
+            # resolve to loopback anyway, so what each side told it is checked as well
+            print("IFNAME", os.environ.get("TP_SOCKET_IFNAME"),
+                  g._runtime.call("gpu", lambda live: os.environ.get("TP_SOCKET_IFNAME")))
+    """, tmp_path)
+    lines = [line.split()[2:] for line in out.splitlines() if line.startswith("LISTENS")]
+    assert len(lines) == 2 and all(lines), out  # both listen, the rendezvous among them
+    loopback = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+    assert {a for addrs in lines for a in addrs} <= loopback, out
+    (ifname,) = [line.split()[1:] for line in out.splitlines() if line.startswith("IFNAME")]
+    assert all(name.startswith("lo") for name in ifname), out
+
+
+def test_tensors_cross_as_tensors_every_dtype_and_bit_kept(tmp_path):
+    coordinate("""
+        class Echo(Node):
+            def forward(self, x, ctx):
+                return Done(Opaque({k: v.clone() for k, v in x.items()}))
+        sent = {"big": torch.tensor([2**60 + 1, -3]), "half": torch.randn(5).half(),
+                "bf": torch.randn(5).bfloat16(), "bool": torch.tensor([True, False]),
+                "view": torch.randn(4, 6)[:, ::2], "empty": torch.empty(0, 3)}
+        with Graph.somatize(Echo().at("gpu")) as g:
+            back = g.forward(sent)
+        for k, v in sent.items():
+            assert back[k].dtype == v.dtype and torch.equal(back[k], v), k
+    """, tmp_path)
+
+
 def test_a_big_matrix_product_over_there_equals_here_with_the_default_threads(tmp_path):
     coordinate("""
         from somatize.torch import node
@@ -168,6 +203,29 @@ def test_a_worker_that_keeps_does_not_run_again_what_it_kept(tmp_path):
                     assert second.ran == ["scale", "head"] and not second.hits
                     assert rt.call("gpu", ran) == 2
     """, tmp_path, timeout=120)
+
+
+def test_the_name_a_worker_is_brought_and_the_name_it_gives_back_are_one_processs(tmp_path):
+    # CU13: the key of what feeds a stretch crosses with it; the key of what it ran comes
+    # back; both are the names one process computes, and the worker keeps under them
+    coordinate(f"""
+        from somatize._engine import walk
+        from somatize.store import Store
+        from somatize.torch import freeze
+        def build(at):
+            return freeze(Graph.somatize(Scale(3.0).frozen() >> Scale().at(at).frozen().cached()
+                                         >> Head(n_in=8)))
+        one = build(None)
+        local = walk(one, one.plan.order, inputs={{"scale": x}}, naming=True, wanted=one.sinks)
+        g = build("gpu")
+        there = {str(tmp_path / "there")!r}
+        with g:
+            rt = runtime_for(g, {{"gpu": Worker.embedded(store=there)}})
+            out = walk(g, g.plan.order, inputs={{"scale": x}}, remote=rt, naming=True,
+                       wanted=g.sinks)
+        assert out.keys == local.keys and all(local.keys.values()), (out.keys, local.keys)
+        assert list(Store(there).names()) == ["value/" + local.keys["scale_2"]]
+    """, tmp_path)
 
 
 def test_provisioning_refuses_a_different_catalog_on_an_open_session(tmp_path):
