@@ -1,9 +1,12 @@
 """GraphModule and SomatizeCache with a real lightning.Trainer, in this process (no RPC),
 and the strategy's refusals at setup."""
 
+import csv
+
 import lightning.pytorch as pl
 import pytest
 import torch
+from lightning.pytorch.loggers import CSVLogger
 
 from somatize import Refused
 from somatize.lightning import SomatizeCache, SomatizeStrategy
@@ -12,8 +15,8 @@ from somatize.torch import GraphModule
 
 
 def trainer(**kw):
-    return pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
-                      **{"max_epochs": 1, "limit_val_batches": 1, **kw})
+    return pl.Trainer(enable_progress_bar=False, enable_model_summary=False,
+                      **{"logger": False, "max_epochs": 1, "limit_val_batches": 1, **kw})
 
 
 def test_graph_module_runs_every_node_here_and_holds_their_weights():
@@ -80,10 +83,16 @@ def test_the_cache_settles_the_body_keeps_its_outputs_and_its_counts_in_checkpoi
     body = model.net.nodes["body"].lin.weight.clone()
     cache = SomatizeCache(tmp_path / "store")
     t = trainer(max_epochs=2, callbacks=[cache], default_root_dir=tmp_path,
-                enable_checkpointing=True)
+                enable_checkpointing=True, logger=CSVLogger(tmp_path, name="csv"))
     t.fit(model, DigitsData(limit=64, shuffle=False))
     assert torch.equal(model.net.nodes["body"].lin.weight, body)  # frozen: never trained
     assert cache.misses > 0 and cache.hits >= cache.misses  # epoch 2 found epoch 1's
+    # reported to the logger once an epoch, adding up to the totals; the second computed none
+    with open(next(tmp_path.rglob("metrics.csv"))) as f:
+        rows = [r for r in csv.DictReader(f) if r.get("cache/hits")]
+    by_epoch = [(float(r["cache/hits"]), float(r["cache/misses"])) for r in rows]
+    assert len(by_epoch) == 2 and by_epoch[1][1] == 0.0, by_epoch
+    assert [sum(c) for c in zip(*by_epoch, strict=True)] == [cache.hits, cache.misses]
     ckpt = next((tmp_path / "checkpoints").glob("*.ckpt"), None) or next(
         tmp_path.rglob("*.ckpt"))
     state = torch.load(ckpt, weights_only=False)["callbacks"]["SomatizeCache"]
