@@ -11,6 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from test_torchrun import EMBEDDED_SAYS, EMBEDDED_SAYS_UNLESS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
@@ -75,5 +76,9 @@ def test_python_train_py_with_a_somatize_option_exits_0(tmp_path, option):
                 if option == "cached" else "somatize.trains.body.lr=0.05")
     if option == "split":
         assert "node 'body' ran on worker 'worker'" in out
+        # and a local worker process was started for it (the control of test_torchrun's
+        # "none was"): what an embedded worker logs with no OpenMP wait policy given
+        if not set(EMBEDDED_SAYS_UNLESS) & set(os.environ):
+            assert EMBEDDED_SAYS in out, out[-3000:]
     else:
         assert (tmp_path / "store").is_dir()
