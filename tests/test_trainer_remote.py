@@ -108,3 +108,23 @@ def test_stop_and_resume_over_a_worker_and_nothing_trained_here(tmp_path):
             assert got == expected
             assert same(resumed.state_dict()["nodes"], a.state_dict()["nodes"])
     """, tmp_path)
+
+
+def test_a_far_half_nobody_trains_is_a_plain_step_and_gives_the_same_numbers(tmp_path):
+    # CU14 decision 4: a slice on another host with nobody training it needs no stages
+    coordinate("""
+        from somatize.torch import freeze
+        data = batches(6)
+        whole, far = twins(lambda: Body().frozen() >> Head())
+        far = placed(far, {"body": "gpu"})
+        freeze(whole), freeze(far)
+        start = weights(far)["head"]
+        a = Trainer(whole, F.cross_entropy, SGD(parameters(whole)))
+        with Trainer(far, F.cross_entropy, SGD(parameters(far))) as b:
+            assert not b.staged and b.running is far
+            assert [a.step(d) for d in data] == [b.step(d) for d in data]
+            assert b.runtime.call("gpu", lambda g: os.getpid()) != os.getpid()
+        assert same(weights(whole), weights(far))
+        assert not same(weights(far)["head"], start)  # the head trained, here
+    """, tmp_path)
+
