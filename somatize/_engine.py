@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,7 @@ from ._errors import ContractError, Lost, MissingInput
 from ._keys import changed, fingerprint, key_of_input, key_of_node
 from ._memory import cacheable, check_settled, state_digest
 from ._node import Ctx, kind_of
-from ._plan import units
+from ._plan import Unit, units
 from ._say import say_once
 from ._values import Done, FanIn, Left, Opaque, bare
 
@@ -104,6 +104,7 @@ def walk(
     training: bool = False,
     remote: Any = None,
     wanted: Iterable[str] | None = None,
+    meanwhile: Callable[[], None] | None = None,
 ) -> Outcome:
     """Run the nodes of ``order`` (topological) of ``graph``, on ``here``'s side.
 
@@ -115,6 +116,8 @@ def walk(
         naming: compute keys (a keeper is present here or on some worker).
         remote: the transport that runs stretches on other hosts.
         wanted: the nodes whose values the caller needs (default: all).
+        meanwhile: called once, after the first wave's stretches are sent and before
+            anything runs here (the caller's own work, done while the far side computes).
     """
     order = tuple(order)
     inputs = inputs or {}
@@ -130,7 +133,7 @@ def walk(
         keys.update(named.keys)
         hits = named.hits
     shape = _shape_of(graph, order, here, wanted, hits)
-    cached, needed = shape.cached, shape.needed
+    cached = shape.cached
 
     def read(consumer: str, p: str) -> Any:
         v = values[p] if p in values else given[p] if p in given else _missing(consumer, p)
@@ -156,29 +159,24 @@ def walk(
             return read(n, ps[0])
         return FanIn({p: read(n, p) for p in ps})
 
-    for wave in shape.waves:
+    for far, near in shape.waves:
         pending = []
-        for unit in wave:
-            if unit.host is None:
-                continue
-            inside = set(unit.nodes)
-            outside = {p for m in unit.nodes for p in preds[m] if p not in inside}
+        for unit, outside, roots, answers in far:
             stretch = Stretch(
                 host=unit.host,
                 nodes=unit.nodes,
                 given={p: values[p] if p in values else given[p] for p in outside},
                 given_keys={p: keys.get(p) for p in outside} if naming else {},
-                inputs={m: inputs[m] for m in unit.nodes if not preds[m] and m in inputs},
+                inputs={m: inputs[m] for m in roots if m in inputs},
                 naming=naming,
                 training=training,
-                wanted=tuple(m for m in unit.nodes if m in needed and (
-                    m in shape.wanted or any(c not in inside for c in graph.successors(m)))),
+                wanted=answers,
             )
             pending.append(remote.submit(stretch))
-        for unit in wave:
-            if unit.host is not None:
-                continue
-            (n,) = unit.nodes
+        if meanwhile is not None:
+            meanwhile()
+            meanwhile = None
+        for n in near:
             if n in hits:
                 values[n] = hits[n]
                 out.hits.append(n)
@@ -205,7 +203,10 @@ class _Shape:
     wanted: frozenset[str]  # what the caller reads
     needed: frozenset[str]  # what must run (or be a hit) to produce it
     todo: tuple[str, ...]
-    waves: tuple  # units(...) of todo
+    # per wave of units(...) of todo: the stretches sent away, each with what it reads from
+    # outside, its roots and what it answers with; then the nodes run here
+    waves: tuple[tuple[tuple[tuple[Unit, tuple[str, ...], tuple[str, ...], tuple[str, ...]],
+                             ...], tuple[str, ...]], ...]
 
 
 # per graph, the shapes of the walks asked of it (a handful: one per order, side, wanted
@@ -225,12 +226,28 @@ def _shape_of(graph, order: tuple[str, ...], here: str | None, wanted, hits) -> 
             if n in needed and n not in hits:
                 needed.update(preds[n])
         todo = tuple(n for n in order if n in needed)
+        waves = tuple(
+            (tuple(_sent(graph, u, needed, wanted) for u in wave if u.host is not None),
+             tuple(u.nodes[0] for u in wave if u.host is None))
+            for wave in units(preds, todo, graph.placement.hosts, here))
         shape = _Shape(_cached_here(graph, here), frozenset(wanted), frozenset(needed), todo,
-                       tuple(units(preds, todo, graph.placement.hosts, here)))
+                       waves)
         if len(memo) > 256:  # bounded: hits that vary batch to batch make new shapes
             memo.clear()
         memo[k] = shape
     return shape
+
+
+def _sent(graph, unit: Unit, needed, wanted) -> tuple:
+    """A stretch's reading of the graph: what it is handed from outside, its roots, and
+    what it answers with (what the caller or a reader outside it needs)."""
+    inside = set(unit.nodes)
+    preds = graph.preds
+    outside = tuple(dict.fromkeys(p for m in unit.nodes for p in preds[m] if p not in inside))
+    roots = tuple(m for m in unit.nodes if not preds[m])
+    answers = tuple(m for m in unit.nodes if m in needed and (
+        m in wanted or any(c not in inside for c in graph.successors(m))))
+    return unit, outside, roots, answers
 
 
 def _cached_here(graph, here: str | None) -> frozenset[str]:

@@ -245,3 +245,12 @@ def test_fit_shows_a_progress_bar_with_the_running_loss_and_a_flag_turns_it_off(
     t.fit(batches(3), epochs=1, progress=False)
     assert capsys.readouterr().err == ""
 
+
+
+def test_the_objectives_own_backward_goes_on_through_the_last_stage():
+    g = Graph.somatize(Pre() >> Body() >> Head())
+    trains = {"body": Split(torch.optim.SGD, lr=0.1)}
+    t = Trainer(g, F.cross_entropy, SGD(parameters(g, without=trains)), trains=trains)
+    out, made = t.staged.forward({"pre": batches(1)[0][0]})
+    # the head's output as the head made it (one backward call), not a leaf cut from it
+    assert out.grad_fn is not None and "head" not in made and "body" in made

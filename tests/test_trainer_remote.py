@@ -128,3 +128,27 @@ def test_a_far_half_nobody_trains_is_a_plain_step_and_gives_the_same_numbers(tmp
         assert not same(weights(far)["head"], start)  # the head trained, here
     """, tmp_path)
 
+
+
+def test_where_the_far_sides_step_waits_for_the_next_input_the_local_one_waits_too(tmp_path):
+    out = coordinate("""
+        data = batches(4)
+        whole, far = twins(lambda: Body() >> Head())
+        far = placed(far, {"body": "gpu"})
+        a = Trainer(whole, F.cross_entropy, SGD(parameters(whole)))
+        trains = {"body": split()}
+        with Trainer(far, F.cross_entropy, SGD(parameters(far, without=trains)),
+                     trains=trains) as b:
+            before = weights(far)["head"]
+            expected = [a.step(d) for d in data]
+            got = [b.step(data[0])]
+            # the head's step is taken while the next step's stretch computes over there
+            assert same(weights(far)["head"], before)
+            got += [b.step(d) for d in data[1:]]
+            assert got == expected
+            b.flush()  # what is owed, here and there, is delivered
+            assert same(weights(far)["head"], weights(whole)["head"])
+            assert same(b.state_dict()["nodes"], a.state_dict()["nodes"])
+        print("WAITED")
+    """, tmp_path)
+    assert "WAITED" in out

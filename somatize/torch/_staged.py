@@ -11,7 +11,7 @@ drive their steps with it; what computes the loss and steps the local optimizer 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -54,6 +54,15 @@ class Staged:
             [n for n in stage if n in sinks or any(c not in stage for c in graph.successors(n))]
             for stage in self.stages
         ]
+        # per stage, read off the graph once: its trainers in the order the backward asks
+        # them, and the values autograd walks back through here
+        self.trainers = [[n for n in reversed(graph.plan.order) if n in stage and n in self.trains]
+                         for stage in self.stages]
+        self.through = [[n for n in wanted if n not in self.trains] for wanted in self.wanted]
+        # the last stage's untrained sinks are read by the objective alone: handed as they
+        # are, so loss.backward() goes on through that stage in the same call
+        last = len(self.stages) - 1
+        self.kept = {n for n in self.wanted[last] if n not in self.trains} if self.stages else set()
         self.deferrable = {
             n for n, t in self.trains.items()
             if defer and graph.placement.get(n) is not None and not graph.preds[n]
@@ -61,9 +70,11 @@ class Staged:
         }
         self.owed: dict[str, Any] = {}  # gradients deferred to the next step's input
 
-    def forward(self, inputs: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
+    def forward(self, inputs: Mapping[str, Any], meanwhile: Callable[[], None] | None = None,
+                ) -> tuple[Any, dict[str, Any]]:
         """Walk the stages forward on ``{root: input}``; return the output as the objective
-        reads it (leaves) and what each stage made, for ``backward``."""
+        reads it and what each stage made, for ``backward``. ``meanwhile()`` is called once
+        stage 0's stretches are sent, before anything runs here."""
         fed: dict[str, Any] = {}
         for r, x in inputs.items():
             if r in self.owed:
@@ -75,8 +86,12 @@ class Staged:
         for k, order in enumerate(self.orders):
             out = walk(self.running, order, inputs=fed, given=handed,
                        keeper=self.keeper if k == 0 else None, naming=self.naming and k == 0,
-                       training=True, remote=self.remote, wanted=self.wanted[k])
+                       training=True, remote=self.remote, wanted=self.wanted[k],
+                       meanwhile=meanwhile if k == 0 else None)
             for n in self.wanted[k]:
+                if n in self.kept:
+                    handed[n] = out.values[n]
+                    continue
                 # each stage starts a fresh autograd graph: what it is handed is a leaf
                 handed[n], made[n] = _leaf(out.values[n], n in self.trains)
         return output(self.graph, handed), made
@@ -84,27 +99,26 @@ class Staged:
     def backward(self, made: Mapping[str, Any]) -> None:
         """Walk the stages back: trainers get dL/d(output) and answer dL/d(input); what
         sits between them here is walked through by autograd, one call per stage."""
-        g = self.graph
+        preds = self.graph.preds
         owed: dict[str, torch.Tensor] = {}  # dL/d(value) that trainers answered, by producer
+
+        def signal(n: str) -> Any:
+            leaf = made[n][1] if made.get(n) else None
+            return _plus(None if leaf is None else leaf.grad, owed.pop(n, None))
+
         for k in reversed(range(len(self.stages))):
-            stage = self.stages[k]
-
-            def signal(n: str) -> Any:
-                leaf = made[n][1] if made.get(n) else None
-                return _plus(None if leaf is None else leaf.grad, owed.pop(n, None))
-
-            for n in reversed([m for m in g.plan.order if m in stage and m in self.trains]):
+            for n in self.trainers[k]:
                 s = signal(n)
                 if n in self.deferrable:
                     self.owed[n] = s
                     continue
                 grad_in = self.learn(n, s)
-                if grad_in is not None and g.preds[n]:
-                    (p,) = g.preds[n]
+                if grad_in is not None and preds[n]:
+                    (p,) = preds[n]
                     owed[p] = _plus(owed.get(p), grad_in)
             values, grads = [], []
-            for n in self.wanted[k]:
-                if n in self.trains or not made.get(n) or not made[n][0].requires_grad:
+            for n in self.through[k]:
+                if not made.get(n) or not made[n][0].requires_grad:
                     continue
                 s = signal(n)
                 if s is not None:

@@ -96,6 +96,10 @@ class Trainer:
         if optimizer is not None:
             held = {id(p) for group in optimizer.param_groups for p in group["params"]}
             self._local = {k: v for k, v in self._local.items() if k in held}
+        # where the far side's step waits for the next input (one round trip per step), the
+        # local one waits too: it is taken while the next step's first stretch computes
+        self._later = bool(self.staged and self.staged.deferrable) and optimizer is not None
+        self._unstepped = False  # the last step's local optimizer step, not yet taken
 
     # -- one step ---------------------------------------------------------------------
     def step(self, batch: tuple[Any, Any]) -> float:
@@ -117,15 +121,23 @@ class Trainer:
         return loss.item()
 
     def _staged_step(self, x: Any, target: Any) -> float:
-        out, made = self.staged.forward(dict.fromkeys(self.graph.roots, x))
+        out, made = self.staged.forward(dict.fromkeys(self.graph.roots, x),
+                                        meanwhile=self._step_local)
         loss = self.objective(out, target)
         loss.backward()
         self.staged.backward(made)
         self._check_gradients()
         if self.optimizer is not None:
+            self._unstepped = True
+            if not self._later:
+                self._step_local()
+        return loss.item()
+
+    def _step_local(self) -> None:
+        if self._unstepped:
+            self._unstepped = False
             self.optimizer.step()
             self.optimizer.zero_grad()
-        return loss.item()
 
     def _check_gradients(self) -> None:
         if not self._local:
@@ -144,6 +156,7 @@ class Trainer:
         """Deliver gradients still owed to trainers (done before reading or closing)."""
         if self.staged:
             self.staged.flush()
+        self._step_local()
 
     # -- many steps ---------------------------------------------------------------------
     def fit(self, data: Iterable[tuple[Any, Any]], epochs: int = 1,
