@@ -49,7 +49,8 @@ class Staged:
         for n, trainer in self.trains.items():
             trainer.feeds_back = any(
                 a in self.trains or _trainable(graph, a) for a in graph.ancestors(n))
-        sinks = set(graph.sinks)
+        self.sinks = graph.sinks
+        sinks = set(self.sinks)
         self.wanted = [  # per stage: the values read by a later stage or the objective
             [n for n in stage if n in sinks or any(c not in stage for c in graph.successors(n))]
             for stage in self.stages
@@ -94,7 +95,7 @@ class Staged:
                     continue
                 # each stage starts a fresh autograd graph: what it is handed is a leaf
                 handed[n], made[n] = _leaf(out.values[n], n in self.trains)
-        return output(self.graph, handed), made
+        return output(self.graph, handed, self.sinks), made
 
     def backward(self, made: Mapping[str, Any]) -> None:
         """Walk the stages back: trainers get dL/d(output) and answer dL/d(input); what
@@ -139,9 +140,11 @@ class Staged:
             self.learn(n, self.owed.pop(n))
 
 
-def output(graph: Graph, values: Mapping[str, Any]) -> Any:
-    """The sink's bare value, or ``{sink: value}`` with several sinks."""
-    sinks = graph.sinks
+def output(graph: Graph, values: Mapping[str, Any], sinks: tuple[str, ...] | None = None,
+           ) -> Any:
+    """The sink's bare value, or ``{sink: value}`` with several sinks (``graph.sinks``,
+    unless the caller read them once already)."""
+    sinks = graph.sinks if sinks is None else sinks
     if len(sinks) == 1:
         return bare(values[sinks[0]])
     return {s: bare(values[s]) for s in sinks}

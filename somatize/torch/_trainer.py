@@ -72,6 +72,8 @@ class Trainer:
             cacheable(graph)  # the prefix rule, once what is frozen is settled
         check_settled(graph)
         self.keeper = open_keeper(store)
+        # read off the graph once: it does not change once built
+        self._order, self._roots, self._sinks = graph.plan.order, graph.roots, graph.sinks
         # trainers standing around their nodes: the step is driven in stages
         self.staged = Staged(graph, self.trains) if self.trains else None
         self.running = self.staged.running if self.staged else graph
@@ -110,10 +112,10 @@ class Trainer:
         return self._staged_step(x, target)
 
     def _plain_step(self, x: Any, target: Any) -> float:
-        g = self.graph
-        out = walk(g, g.plan.order, inputs=dict.fromkeys(g.roots, x), keeper=self.keeper,
-                   naming=self._naming, training=True, remote=self.runtime, wanted=g.sinks)
-        loss = self.objective(output(g, out.values), target)
+        out = walk(self.graph, self._order, inputs=dict.fromkeys(self._roots, x),
+                   keeper=self.keeper, naming=self._naming, training=True, remote=self.runtime,
+                   wanted=self._sinks)
+        loss = self.objective(output(self.graph, out.values, self._sinks), target)
         loss.backward()
         if self.optimizer is not None:
             self.optimizer.step()
@@ -121,7 +123,7 @@ class Trainer:
         return loss.item()
 
     def _staged_step(self, x: Any, target: Any) -> float:
-        out, made = self.staged.forward(dict.fromkeys(self.graph.roots, x),
+        out, made = self.staged.forward(dict.fromkeys(self._roots, x),
                                         meanwhile=self._step_local)
         loss = self.objective(out, target)
         loss.backward()
