@@ -33,8 +33,9 @@ from blake3 import blake3
 from torch import nn
 
 from somatize import Done, Graph, Node, Opaque
-from somatize._engine import _name
+from somatize._engine import _name, look_up, walk
 from somatize._keys import key_of_input
+from somatize._values import bare
 from somatize.store import Store
 from somatize.torch import Trainer, freeze
 
@@ -199,7 +200,32 @@ def bench_cached_encoder(root: Path, repeats: int) -> None:
           f"{part['key']:.2f} ms (BLAKE3 over 784 KB), the lookup {part['get']:.2f} ms, "
           f"and the engine/trainer the rest "
           f"({ms['cached'] / len(data) - per - part['key'] - part['get']:.2f} ms)")
+    hit_step(cached, data[0], repeats)
     overlap(data, features, repeats)
+
+
+def hit_step(trainer, batch, repeats: int) -> None:
+    """One hit step taken apart, each piece timed alone on the same batch (warm): the
+    input's key, the lookup as the engine asks it (keys of every node, the store, the code's
+    fingerprint), the head's forward, and what the walk and the trainer add around them."""
+    g, x = trainer.graph, batch[0]
+    inputs = {"encoder": x}
+    feature = bare(look_up(g, g.plan.order, inputs=inputs, keeper=trainer.keeper)
+                   .hits["encoder"])
+    head = g["head"]
+    ms = side_by_side({
+        "step": lambda: trainer.step(batch),
+        "key": lambda: key_of_input(x),
+        "look_up": lambda: look_up(g, g.plan.order, inputs=inputs, keeper=trainer.keeper),
+        "walk": lambda: walk(g, g.plan.order, inputs=inputs, keeper=trainer.keeper,
+                             naming=True, training=True, wanted=g.sinks),
+        "head": lambda: head.forward(feature, None),
+    }, repeats * 40)
+    rest = ms["walk"] - ms["look_up"] - ms["head"]
+    print(f"   one hit step {ms['step']:.3f} ms: the input's key {ms['key']:.3f}, the rest of "
+          f"the lookup (node keys, store, fingerprint) {ms['look_up'] - ms['key']:.3f}, the "
+          f"head's forward {ms['head']:.3f}, the walk around them {rest:.3f}, the trainer "
+          f"(objective, backward, Adam, item) {ms['step'] - ms['walk']:.3f}")
 
 
 def overlap(data, features, repeats: int) -> None:

@@ -162,6 +162,7 @@ def main() -> None:
             ms, _ = timed(lambda _b, fn=fn: fn(), list(range(12)))
             rows[label].append(ms)
     split.flush()
+    crit, away = timeline(split, data, args.repeats)
 
     med = {k: statistics.median(v) for k, v in rows.items()}
     print(f"$ {' '.join(sys.argv)}")
@@ -177,9 +178,47 @@ def main() -> None:
           "(target <= 1)")
     print(f"  split - one piece   {med['somatize split'] - med['one piece']:.2f} ms per step "
           f"(one round trip per step: step k's gradient rides with step k+1's input)")
+    print(f"  coordinator, answer -> next request {crit:.2f} ms (head, loss, backward, the "
+          f"next step's request); request -> answer {away:.2f} ms")
     print("  bit-identical losses: split", losses["somatize split"] == losses["one piece"],
           "native", losses["torch native"] == losses["one piece"])
     split.close()
+
+
+def timeline(trainer, data, repeats: int) -> tuple[float, float]:
+    """Median ms from a stretch's answer to the next step's request (what the coordinator
+    adds to the critical path), and from a request to its answer (transfer and the worker)."""
+    rt = trainer.runtime
+    marks: list[tuple[str, float]] = []
+    submit = rt.submit
+
+    class Timed:  # the pending stretch, marking when its answer is in
+        def __init__(self, pending):
+            self.pending = pending
+
+        def result(self):
+            got = self.pending.result()
+            marks.append(("answer", time.perf_counter()))
+            return got
+
+    def timed_submit(stretch):
+        pending = submit(stretch)
+        marks.append(("request", time.perf_counter()))
+        return Timed(pending)
+
+    rt.submit = timed_submit  # this run's runtime only
+    crit, away = [], []
+    try:
+        for _ in range(repeats):
+            marks.clear()
+            for batch in data:
+                trainer.step(batch)
+            after = marks[4:]  # after 2 warm-up steps
+            for (what, t0), (_, t1) in zip(after, after[1:], strict=False):
+                (crit if what == "answer" else away).append((t1 - t0) * 1e3)
+    finally:
+        del rt.submit
+    return statistics.median(crit), statistics.median(away)
 
 
 def _nothing(live):

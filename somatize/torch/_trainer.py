@@ -4,7 +4,10 @@ With nothing trained where it runs, a step is a plain forward, ``loss.backward()
 ``optimizer.step()`` and ``zero_grad()``. With a trainer somewhere, the step walks
 the stages (``somatize.stages``) forward, then back in reverse: only trainers are
 transposed, what sits between them is walked through by autograd, and the local
-optimizer steps once every gradient has been handed back.
+optimizer steps once every gradient has been handed back. Where a worker trains the
+first stage, its gradient rides with the next step's input (one round trip per step)
+and the local step is taken while that stretch computes: ``flush()`` (done by ``fit``,
+``state_dict`` and ``close``) delivers both.
 
     trains = {"body": Split(SGD, lr=0.1)}
     with Trainer(g, objective=cross_entropy, optimizer=SGD(parameters(g, without=trains),
@@ -155,7 +158,7 @@ class Trainer:
             )
 
     def flush(self) -> None:
-        """Deliver gradients still owed to trainers (done before reading or closing)."""
+        """Deliver what a step left owed: gradients to trainers, the local optimizer's step."""
         if self.staged:
             self.staged.flush()
         self._step_local()
