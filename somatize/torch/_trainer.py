@@ -159,9 +159,9 @@ class Trainer:
 
     def flush(self) -> None:
         """Deliver what a step left owed: gradients to trainers, the local optimizer's step."""
+        self._step_local()  # first: it needs no worker, and a lost one must not lose it
         if self.staged:
             self.staged.flush()
-        self._step_local()
 
     # -- many steps ---------------------------------------------------------------------
     def fit(self, data: Iterable[tuple[Any, Any]], epochs: int = 1,
