@@ -169,17 +169,22 @@ class Trainer:
         """Train ``epochs`` times over ``data``; return every step's loss."""
         from tqdm.auto import tqdm
 
+        per_epoch = len(data) if hasattr(data, "__len__") else None
         losses: list[float] = []
-        for epoch in range(epochs):
-            total, seen = 0.0, 0
-            with tqdm(data, desc=f"epoch {epoch + 1}/{epochs}", disable=not progress,
-                      leave=False) as bar:
-                for batch in bar:
+        # one bar over every step, counted by update(): a bar that wraps the iterable
+        # counts lazily, so a postfix redrawn each step showed 0/5 beside a moving loss
+        with tqdm(total=None if per_epoch is None else per_epoch * epochs, unit="step",
+                  desc=f"epoch 1/{epochs}", disable=not progress, dynamic_ncols=True) as bar:
+            for epoch in range(epochs):
+                bar.set_description(f"epoch {epoch + 1}/{epochs}", refresh=False)
+                total, seen = 0.0, 0
+                for batch in data:
                     losses.append(self.step(batch))
                     total, seen = total + losses[-1], seen + 1
-                    bar.set_postfix(loss=f"{total / seen:.4f}")
-            log.info("epoch %d/%d: mean loss %.6f over %d steps", epoch + 1, epochs,
-                     total / max(seen, 1), seen)
+                    bar.set_postfix(loss=f"{total / seen:.4f}", refresh=False)
+                    bar.update()
+                log.info("epoch %d/%d: mean loss %.6f over %d steps", epoch + 1, epochs,
+                         total / max(seen, 1), seen)
         self.flush()
         return losses
 
