@@ -147,6 +147,7 @@ class Group:
                 rpc.init_rpc(COORDINATOR, rank=0, world_size=None,
                              rpc_backend_options=backend_options(f"somatize://{host}:{port}",
                                                                  _settings))
+                expect_closed_pipes()
             self.started = True
             atexit.register(self.shutdown)
             log.debug("RPC group started (%s)", self.join or "torchrun")
@@ -197,10 +198,13 @@ class Group:
             return p
 
     def _name(self, host: str) -> str:
-        name, k = host, 1
+        # TensorPipe lists a dynamic group's members as "name-rank," and splits at the
+        # first '-': a name with one is read as another (a later joiner greets a stranger)
+        base = host.replace("-", "_")
+        name, k = base, 1
         while name in self.taken:  # an RPC name is never reused in one group
             k += 1
-            name = f"{host}-{k}"
+            name = f"{base}_{k}"
         self.taken.add(name)
         return name
 
@@ -353,6 +357,37 @@ class Group:
                 rpc.shutdown(graceful=self.static is not None, timeout=_settings["timeout"])
             except Exception as e:
                 log.warning("RPC shutdown: %s", e)
+
+
+def expect_closed_pipes() -> None:
+    """Tell this process's agent (of a dynamic group) that peers leaving is normal.
+
+    TensorPipe warns on stderr about every incoming pipe that closes ("encountered error
+    when reading incoming request from gpu: EOF", tensorpipe_agent.cpp) unless the agent
+    has left the group, which is the only thing that sets its ``shuttingDown_``; so each
+    process leaves once, right after joining, and lists itself again. It still serves and
+    calls as before; a peer that is lost is said by our errors, which name it.
+    """
+    from torch.distributed.rpc.api import _get_current_rpc_agent
+
+    agent = _get_current_rpc_agent()
+    me, store = agent.get_worker_info(), agent.store
+    # the token torch's joins and leaves hold (rpc/_utils.py), so none happens meanwhile;
+    # waited for by polling, not store.wait: a member waiting must still answer the joiner
+    token, mine = "RpcGroupManagementToken", f"Token_for_{me.name}_listed"
+    deadline = time.monotonic() + _settings["timeout"]
+    while store.compare_set(token, "", mine).decode() != mine:
+        if time.monotonic() > deadline:
+            raise WorkerError(f"{me.name!r} waited {_settings['timeout']:g} s for the group's "
+                              "membership token: another process holds it (a join that hung)")
+        time.sleep(0.005)
+    try:
+        key = "names/_ALL_WORKER_INFOS"  # TensorPipe's list of members (agent_utils.cpp)
+        agent.join(shutdown=True)  # unlists us
+        store.set(key, store.get(key).decode() + f"{me.name}-{me.id},")
+    finally:
+        store.set(token, "")
+        store.set(mine, "Done")  # whoever waits for our token (torch's joins) goes on
 
 
 _group: Group | None = None

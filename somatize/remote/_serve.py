@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed.rpc as rpc
 
-    from ._group import backend_options
+    from ._group import backend_options, expect_closed_pipes
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = json.loads(args.options)
     rpc.init_rpc(args.name, rank=args.rank, world_size=None,
                  rpc_backend_options=backend_options(args.join, opts))
+    expect_closed_pipes()
     rpc.rpc_sync("coordinator", joined, args=(args.name,), timeout=opts.get("timeout", 60.0))
     _stop.wait()
     try:
