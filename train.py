@@ -7,6 +7,14 @@ Lightning, configured by Hydra (configs/train.yaml).
     python train.py +somatize=split somatize.trains.body.lr=0.05
     python train.py +somatize=cached model.body_from=outputs/.../checkpoints/last.ckpt
 
+Give the coordinator ``OMP_WAIT_POLICY=PASSIVE`` when a worker shares its cores (as
+``scripts/run.sh`` does; torch reads it once, at import, so only the launch can set it):
+libgomp's threads otherwise spin for milliseconds after every op, on the cores the worker
+computes on (2-5x slower steps on 2 cores, docs/performance.md). Workers started by
+somatize get it by default.
+
+    OMP_WAIT_POLICY=PASSIVE python train.py +somatize=split
+
 Under torchrun, rank 0 is the coordinator and ranks >= 1 serve as workers:
 
     torchrun --standalone --nproc-per-node=2 train.py +somatize=split
@@ -43,8 +51,8 @@ def main(cfg: DictConfig) -> float | None:
     trainer.fit(model, data, ckpt_path=cfg.ckpt_path)
     if not trainer.is_global_zero:
         return None
-    for node, host in where(trainer, model).items():
-        log.info("node %r ran %s", node, f"on worker {host!r}" if host else "here")
+    for node, said in where(trainer, model).items():
+        log.info("node %r %s", node, said)
     if cfg.test:
         acc = trainer.test(model, data, verbose=False)[0]["test_acc"]
         log.info("accuracy on held-out digits: %.3f", acc)
@@ -52,13 +60,23 @@ def main(cfg: DictConfig) -> float | None:
     return None
 
 
-def where(trainer: pl.Trainer, model: pl.LightningModule) -> dict:
-    """Where each node of the model's graph ran: placement is honoured by one strategy."""
-    from somatize.lightning import SomatizeStrategy
+def where(trainer: pl.Trainer, model: pl.LightningModule) -> dict[str, str]:
+    """Where each node of the model's graph ran (placement is honoured by one strategy),
+    and for a cached node how many batches (training and validation) it ran for and how
+    many its output was read from the store for."""
+    from somatize.lightning import SomatizeCache, SomatizeStrategy
 
     graph = model.net.graph
     honoured = isinstance(trainer.strategy, SomatizeStrategy)
-    return {n: graph.placement.get(n) if honoured else None for n in graph.ids}
+    cache = next((c for c in trainer.callbacks if isinstance(c, SomatizeCache)), None)
+    said = {}
+    for n in graph.ids:
+        host = graph.placement.get(n) if honoured else None
+        said[n] = f"ran on worker {host!r}" if host else "ran here"
+        if cache is not None and n in graph.memory.cached:  # the example caches one node
+            said[n] += (f" for {cache.misses} batches; its output was read from the store "
+                        f"for {cache.hits}")
+    return said
 
 
 if __name__ == "__main__":

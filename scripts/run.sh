@@ -7,6 +7,9 @@
 # Hydra overrides for both runs (e.g. `bash scripts/run.sh trainer.max_epochs=3`).
 # Creates the virtual environment on first use.
 source "$(dirname "$0")/venv.sh"
+# the coordinator computes on the cores its worker computes on: its idle math threads
+# must sleep, not spin (read once when torch is imported; docs/performance.md)
+export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 cd "$root"
 out=outputs/main_job
 rm -rf "$out"
