@@ -85,16 +85,22 @@ def oracle(out, accumulate):
                 "said": said}, out)
 
 
-def resume(out, part):
-    """``whole``: two epochs; ``first``: one, checkpointed; ``rest``: resumed to two."""
+def resume(out, part, stop="epoch"):
+    """``whole``: two epochs; ``first``: one epoch (``stop="epoch"``) or seven steps, two
+    into the second epoch (``stop="mid"``), checkpointed; ``rest``: resumed to two epochs."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
     ckpt_dir = os.path.dirname(out)
     if part == "whole":
         _, m, losses = fit(SomatizeStrategy(), epochs=2)
-    elif part == "first":
+    elif part == "first" and stop == "epoch":
         _, m, losses = fit(SomatizeStrategy(), epochs=1, ckpt_dir=ckpt_dir)
+    elif part == "first":  # five batches an epoch: step 7 is mid-epoch
+        mid = ModelCheckpoint(dirpath=ckpt_dir, filename="mid", every_n_train_steps=7)
+        _, m, losses = fit(SomatizeStrategy(), steps=7, ckpt_dir=ckpt_dir, callbacks=[mid])
     else:
         ckpt = next(os.path.join(r, f) for r, _, fs in os.walk(ckpt_dir) for f in fs
-                    if f.endswith(".ckpt"))
+                    if f.endswith(".ckpt") and (stop == "epoch" or f == "mid.ckpt"))
         _, m, losses = fit(SomatizeStrategy(), epochs=2, ckpt_path=ckpt)
     torch.save((losses, weights(m)), out)
 

@@ -48,12 +48,15 @@ def test_split_training_through_lightning_equals_one_piece_bit_for_bit(tmp_path,
                and "taken out of Lightning's optimizers" in m for m in got["said"]), got["said"]
 
 
-def test_a_run_resumed_from_its_checkpoint_matches_the_uninterrupted_one(tmp_path):
+@pytest.mark.parametrize("stop", ["epoch", "mid"])
+def test_a_run_resumed_from_its_checkpoint_matches_the_uninterrupted_one(tmp_path, stop):
+    # mid-epoch: the training loader's place is in the checkpoint (ResumableLoader)
     for part in ("whole", "first", "rest"):
-        run("resume", tmp_path / f"{part}.pt", part)
+        run("resume", tmp_path / f"{part}.pt", part, stop)
     whole_losses, whole = torch.load(tmp_path / "whole.pt")
     first_losses, _ = torch.load(tmp_path / "first.pt")
     rest_losses, rest = torch.load(tmp_path / "rest.pt")
+    assert len(first_losses) == (5 if stop == "epoch" else 7)
     assert first_losses + rest_losses == whole_losses
     for k in whole:
         assert torch.equal(rest[k], whole[k]), k

@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
@@ -112,6 +114,35 @@ class DigitsModel(pl.LightningModule):
         return torch.optim.SGD(params, lr=self.hparams.lr, momentum=self.hparams.momentum)
 
 
+class ResumableLoader(DataLoader):
+    """A DataLoader whose place in the epoch goes into Lightning's checkpoints: a run
+    stopped mid-epoch resumes at the batch it had reached (Lightning 2.6 saves the
+    ``state_dict`` of a training loader that has one, and loads it before iterating)."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.served = 0  # batches handed out in this pass
+        self._skip = 0
+
+    def __iter__(self) -> Iterator[Any]:
+        # a generator: the sampler's order is read at the first batch, after Lightning
+        # has set its epoch
+        skip, self._skip = self._skip, 0
+        self.served = 0
+        for batch in super().__iter__():
+            self.served += 1
+            if self.served > skip:
+                yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        """How far into the epoch this loader is (0 once an epoch is complete)."""
+        return {"served": self.served if self.served < len(self) else 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Start the next pass where ``state`` says (the same epoch's order, later on)."""
+        self._skip = state["served"]
+
+
 class DigitsData(pl.LightningDataModule):
     """scikit-learn's digits, scaled to [0, 1], split 80/20 with a fixed seed.
 
@@ -150,7 +181,7 @@ class DigitsData(pl.LightningDataModule):
         # an epoch-seeded order (set_epoch is called by Lightning), not the global RNG's
         sampler = DistributedSampler(self.train_set, num_replicas=1, rank=0, shuffle=self.shuffle,
                                      seed=self.seed)
-        return DataLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)
+        return ResumableLoader(self.train_set, batch_size=self.batch_size, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(self.val_set, batch_size=256)
