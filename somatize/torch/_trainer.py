@@ -6,8 +6,9 @@ the stages (``somatize.stages``) forward, then back in reverse: only trainers ar
 transposed, what sits between them is walked through by autograd, and the local
 optimizer steps once every gradient has been handed back. Where a worker trains the
 first stage, its gradient rides with the next step's input (one round trip per step)
-and the local step is taken while that stretch computes: ``flush()`` (done by ``fit``,
-``state_dict`` and ``close``) delivers both.
+and, inside ``fit``, the local step is taken while that stretch computes (a ``step()``
+on its own leaves the weights here up to date): ``flush()`` (done by ``fit``,
+``state_dict`` and ``close``) delivers what is owed.
 
     trains = {"body": Split(SGD, lr=0.1)}
     with Trainer(g, objective=cross_entropy, optimizer=SGD(parameters(g, without=trains),
@@ -105,6 +106,7 @@ class Trainer:
         # local one waits too: it is taken while the next step's first stretch computes
         self._later = bool(self.staged and self.staged.deferrable) and optimizer is not None
         self._unstepped = False  # the last step's local optimizer step, not yet taken
+        self._fitting = False  # inside fit nobody reads the weights here between two steps
 
     # -- one step ---------------------------------------------------------------------
     def step(self, batch: tuple[Any, Any]) -> float:
@@ -134,8 +136,8 @@ class Trainer:
         self._check_gradients()
         if self.optimizer is not None:
             self._unstepped = True
-            if not self._later:
-                self._step_local()
+            if not (self._later and self._fitting):
+                self._step_local()  # a step() on its own leaves the weights here up to date
         return loss.item()
 
     def _step_local(self) -> None:
@@ -175,18 +177,25 @@ class Trainer:
         # counts lazily, so a postfix redrawn each step showed 0/5 beside a moving loss
         with tqdm(total=None if per_epoch is None else per_epoch * epochs, unit="step",
                   desc=f"epoch 1/{epochs}", disable=not progress, dynamic_ncols=True) as bar:
-            for epoch in range(epochs):
-                bar.set_description(f"epoch {epoch + 1}/{epochs}", refresh=False)
-                total, seen = 0.0, 0
-                for batch in data:
-                    losses.append(self.step(batch))
-                    total, seen = total + losses[-1], seen + 1
-                    bar.set_postfix(loss=f"{total / seen:.4f}", refresh=False)
-                    bar.update()
-                log.info("epoch %d/%d: mean loss %.6f over %d steps", epoch + 1, epochs,
-                         total / max(seen, 1), seen)
+            self._fitting = True
+            try:
+                self._epochs(data, epochs, bar, losses)
+            finally:
+                self._fitting = False
         self.flush()
         return losses
+
+    def _epochs(self, data, epochs: int, bar, losses: list[float]) -> None:
+        for epoch in range(epochs):
+            bar.set_description(f"epoch {epoch + 1}/{epochs}", refresh=False)
+            total, seen = 0.0, 0
+            for batch in data:
+                losses.append(self.step(batch))
+                total, seen = total + losses[-1], seen + 1
+                bar.set_postfix(loss=f"{total / seen:.4f}", refresh=False)
+                bar.update()
+            log.info("epoch %d/%d: mean loss %.6f over %d steps", epoch + 1, epochs,
+                     total / max(seen, 1), seen)
 
     # -- what was trained -----------------------------------------------------------------
     def state_dict(self) -> dict:
