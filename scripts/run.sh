@@ -5,19 +5,20 @@
 #      (the second epoch on does not run the body at all).
 # Each run prints where each node ran and the held-out accuracy. Extra arguments are
 # Hydra overrides for both runs (e.g. `bash scripts/run.sh trainer.max_epochs=3`).
-# Creates the virtual environment on first use.
+# Creates the virtual environment on first use. SOMATIZE_OUT names where the runs write
+# (default outputs/main_job, emptied first).
 source "$(dirname "$0")/venv.sh"
 # the coordinator computes on the cores its worker computes on: its idle math threads
 # must sleep, not spin (read once when torch is imported; docs/performance.md)
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
 cd "$root"
-out=outputs/main_job
+out=${SOMATIZE_OUT:-$root/outputs/main_job}
 rm -rf "$out"
 echo "== 1/2: split training: body on a worker, head here =="
 python train.py +somatize=split hydra.run.dir="$out/split" "$@"
 echo
 echo "== 2/2: the head retrained over the frozen, cached body =="
 python train.py +somatize=cached hydra.run.dir="$out/cached" \
-  model.body_from="$root/$out/split/checkpoints/last.ckpt" somatize.store="$root/$out/store" "$@"
+  model.body_from="$out/split/checkpoints/last.ckpt" somatize.store="$out/store" "$@"
 echo
 echo "store: $(python -m somatize store du "$out/store" | tail -n 1)"
