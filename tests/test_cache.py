@@ -12,27 +12,14 @@ from cache_nodes import RUNS, Encoder, FromHandle, Handle, Head, Pre, ToHandle, 
 from somatize import Graph, Opaque, Refused, cacheable, codec
 from somatize._engine import walk
 from somatize._keys import fingerprint, key_of_input, key_of_node
-from somatize._say import forget
 from somatize._values import Blob, _codecs
 from somatize.store import Store
 from somatize.torch import Trainer, freeze
 
 
 @pytest.fixture(autouse=True)
-def _fresh():
+def _fresh(say_again):
     RUNS.clear()
-    forget()
-    yield
-    forget()
-
-
-@pytest.fixture
-def store(tmp_path):
-    return Store(tmp_path / "soma")
-
-
-def said(caplog) -> str:
-    return "\n".join(r.getMessage() for r in caplog.records)
 
 
 def settled(*nodes):
@@ -91,7 +78,7 @@ def test_changing_the_head_does_not_touch_the_name_of_what_is_underneath(store):
 
 
 def test_the_code_fingerprint_is_not_in_the_name_and_what_is_beside_is_what_produced_it(
-        store, caplog):
+        store, said):
     settled(Encoder().frozen().cached()).forward(x, store=store)
     (entry,) = store.entries()
     assert entry.meta["node"] == "encoder" and entry.meta["class"] == "Encoder"
@@ -106,7 +93,7 @@ def test_the_code_fingerprint_is_not_in_the_name_and_what_is_beside_is_what_prod
     y = settled(Encoder2().frozen().cached()).forward(x, store=store)
     assert RUNS == {"encoder": 1}  # a hit: the code is not part of the name
     assert torch.equal(y, store.get(entry.name).value)
-    text = said(caplog)
+    text = said()
     assert "'encoder'" in text and "Encoder2.forward" in text and "different code" in text
 
 
@@ -237,15 +224,15 @@ def test_the_names_a_slice_brings_are_not_the_names_it_gives():
 
 # -- what the store's users see through a run --
 
-def test_cached_with_no_store_still_runs_and_says_nothing_is_kept(caplog):
+def test_cached_with_no_store_still_runs_and_says_nothing_is_kept(said):
     g = settled(Encoder().frozen().cached(), Head())
     g.forward(x)
     g.forward(x)
     assert RUNS == {"encoder": 2, "head": 2}
-    assert said(caplog).count("nothing is kept") == 1
+    assert said().count("nothing is kept") == 1
 
 
-def test_a_keeper_that_fails_never_kills_the_run(caplog):
+def test_a_keeper_that_fails_never_kills_the_run(said):
     class Broken:
         def get_many(self, names):
             raise OSError(28, "No space left on device")
@@ -258,17 +245,17 @@ def test_a_keeper_that_fails_never_kills_the_run(caplog):
     assert torch.equal(g.forward(x, store=Broken()), y)
     assert RUNS["encoder"] == 2
     assert torch.equal(y, settled(Encoder().frozen(), Head()).forward(x))
-    text = said(caplog)
+    text = said()
     assert text.count("get_many failed") == 1 and text.count("put failed") == 1
 
 
-def test_a_store_on_a_bad_path_never_kills_the_run(tmp_path, caplog):
+def test_a_store_on_a_bad_path_never_kills_the_run(tmp_path, said):
     (tmp_path / "file").write_text("")
     y = settled(Encoder().frozen().cached(), Head()).forward(x, store=tmp_path / "file")
-    assert y.shape == (2, 2) and "cannot keep" in said(caplog)
+    assert y.shape == (2, 2) and "cannot keep" in said()
 
 
-def test_a_corrupted_value_is_recomputed_in_a_run(store, caplog):
+def test_a_corrupted_value_is_recomputed_in_a_run(store, said):
     g = settled(Encoder().frozen().cached(), Head())
     y = g.forward(x, store=store)
     (blob, _), = store.blobs()
@@ -277,17 +264,17 @@ def test_a_corrupted_value_is_recomputed_in_a_run(store, caplog):
     data[-1] ^= 1
     path.write_bytes(bytes(data))
     assert torch.equal(g.forward(x, store=store), y)
-    assert RUNS["encoder"] == 2 and "damaged" in said(caplog)
+    assert RUNS["encoder"] == 2 and "damaged" in said()
     assert torch.equal(g.forward(x, store=store), y)  # kept again, whole
     assert RUNS["encoder"] == 2
 
 
-def test_an_output_with_no_codec_is_not_kept_and_stderr_says_why_once(store, caplog):
+def test_an_output_with_no_codec_is_not_kept_and_stderr_says_why_once(store, said):
     g = Graph.somatize(ToHandle().frozen().cached() >> FromHandle())
     g.forward(x, store=store)
     g.forward(x, store=store)
     assert RUNS["tohandle"] == 2 and list(store.names()) == []
-    assert said(caplog).count("Handle has no codec") == 1
+    assert said().count("Handle has no codec") == 1
 
 
 def test_training_above_a_kept_value_trains_the_head_only(store):

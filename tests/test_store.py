@@ -13,26 +13,11 @@ from safetensors.torch import load_file
 import somatize.torch  # noqa: F401  (registers the tensor's codec)
 from somatize import Keeper, Kept, StoreError, codec
 from somatize._packing import pack, unpack
-from somatize._say import forget
 from somatize._store_cli import main as store_cli
 from somatize._values import Blob
 from somatize.store import Guarded, Store, open_keeper
 
-
-@pytest.fixture(autouse=True)
-def _say_again():
-    forget()
-    yield
-    forget()
-
-
-@pytest.fixture
-def store(tmp_path):
-    return Store(tmp_path / "soma")
-
-
-def said(caplog) -> str:
-    return "\n".join(r.getMessage() for r in caplog.records)
+pytestmark = pytest.mark.usefixtures("say_again")
 
 
 def test_the_store_and_its_command_import_no_torch():
@@ -52,10 +37,10 @@ def test_a_batch_answers_in_the_order_it_was_asked_holes_included(store):
     assert [None if k is None else k.value.item() for k in got] == [3.0, None, 1.0, None]
 
 
-def test_a_name_nobody_kept_is_a_miss_and_not_a_failure(tmp_path, caplog):
+def test_a_name_nobody_kept_is_a_miss_and_not_a_failure(tmp_path, said):
     assert Store(tmp_path / "never-created").get("value/abc") is None
     assert Store(tmp_path / "never-created").get_many(["value/abc"]) == [None]
-    assert "never-created" not in said(caplog)
+    assert "never-created" not in said()
     assert not (tmp_path / "never-created").exists()  # reading creates nothing
 
 
@@ -164,13 +149,13 @@ def test_a_restored_tensor_is_a_leaf_on_the_cpu_and_safe_to_modify(store):
     assert store.check_blob(next(store.blobs())[0]) is None
 
 
-def test_a_value_whose_type_has_no_codec_is_not_kept_and_stderr_says_why_once(store, caplog):
+def test_a_value_whose_type_has_no_codec_is_not_kept_and_stderr_says_why_once(store, said):
     class Handle:
         pass
 
     assert store.put("value/h", {"x": Handle()}) is False
     assert store.put("value/h2", [Handle()]) is False
-    assert said(caplog).count("Handle has no codec") == 1
+    assert said().count("Handle has no codec") == 1
     assert list(store.names()) == []
 
 
@@ -207,13 +192,13 @@ def _corrupt(path, at=-5):
     path.write_bytes(bytes(data))  # by hand, in place: what a store itself never does
 
 
-def test_a_corrupted_blob_is_detected_on_read_treated_as_a_miss_and_said(store, caplog):
+def test_a_corrupted_blob_is_detected_on_read_treated_as_a_miss_and_said(store, said):
     t = torch.randn(64, 64)
     store.put("value/v", t)
     (blob, _), = store.blobs()
     _corrupt(store.blob_path(blob))
     assert store.get("value/v") is None
-    assert "is damaged" in said(caplog) and blob[:16] in said(caplog)
+    assert "is damaged" in said() and blob[:16] in said()
     # moved aside: keeping the value again rewrites it, and it reads back whole
     assert store.put("value/v", t)
     assert torch.equal(store.get("value/v").value, t)
@@ -228,13 +213,13 @@ def test_a_blob_damaged_after_it_was_read_is_still_served_whole_then_verify_find
     assert store_cli(["verify", str(store.path)]) == 1
 
 
-def test_a_truncated_blob_is_detected_on_read(store, caplog):
+def test_a_truncated_blob_is_detected_on_read(store, said):
     store.put("value/v", torch.randn(1000))
     (blob, size), = store.blobs()
     with open(store.blob_path(blob), "r+b") as f:
         f.truncate(size // 2)
     assert store.get("value/v") is None
-    assert "truncated" in said(caplog)
+    assert "truncated" in said()
 
 
 def test_a_big_corrupted_blob_is_detected_too(store):
@@ -244,14 +229,14 @@ def test_a_big_corrupted_blob_is_detected_too(store):
     assert store.get("value/v") is None
 
 
-def test_a_write_that_fails_after_its_blob_says_so_once_and_leaves_no_half_entry(store, caplog):
+def test_a_write_that_fails_after_its_blob_says_so_once_and_leaves_no_half_entry(store, said):
     # names/value is a regular file, so naming fails once the blob is written: a failure
     # that happens as root too (CI's user, whom permissions do not stop)
     store.put("artifact/emb/a", torch.ones(2))
     (store.path / "names" / "value").write_text("in the way")
     assert store.put("value/a", torch.ones(3)) is False
     assert store.put("value/b", torch.ones(4)) is False
-    assert said(caplog).count("cannot keep") == 1
+    assert said().count("cannot keep") == 1
     assert store.get("value/a") is None  # a miss, not a failure
     assert torch.equal(store.get("artifact/emb/a").value, torch.ones(2))  # what was kept stays
     assert list((store.path / "tmp").iterdir()) == []  # no temporary file left behind
@@ -260,14 +245,14 @@ def test_a_write_that_fails_after_its_blob_says_so_once_and_leaves_no_half_entry
     assert torch.equal(store.get("artifact/emb/a").value, torch.ones(2))
 
 
-def test_a_store_on_a_bad_path_does_not_raise(tmp_path, caplog):
+def test_a_store_on_a_bad_path_does_not_raise(tmp_path, said):
     a_file = tmp_path / "a-file"
     a_file.write_text("not a directory")
     store = Store(a_file)
     assert store.put("value/a", torch.ones(2)) is False
     assert store.put("value/b", torch.ones(2)) is False
     assert store.get("value/a") is None
-    assert said(caplog).count("cannot keep") == 1
+    assert said().count("cannot keep") == 1
 
 
 class Exploding:
@@ -283,13 +268,13 @@ class Exploding:
         raise RuntimeError("boom")
 
 
-def test_a_keeper_that_raises_is_a_miss_and_not_kept_said_once(caplog):
+def test_a_keeper_that_raises_is_a_miss_and_not_kept_said_once(said):
     k = open_keeper(Exploding())
     assert k.get_many(["value/a", "value/b"]) == [None, None]
     assert k.get_many(["value/a"]) == [None]
     assert k.put("value/a", 1) is False and k.put("value/a", 1) is False
     assert list(k.names()) == []
-    text = said(caplog)
+    text = said()
     assert text.count("get_many failed") == 1 and text.count("put failed") == 1
 
 
