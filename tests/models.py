@@ -16,10 +16,14 @@ from somatize import Done, Node, Opaque
 
 
 class Body(Node):
-    """The seeds' body: a linear layer and a relu; no super().__init__()."""
+    """The seeds' body: a linear layer and a relu; no super().__init__().
 
-    def __init__(self, seed: int = 0, n_in: int = 8, n_out: int = 6):
-        torch.manual_seed(seed)
+    ``seed=None`` draws the weights from torch's generator as it stands.
+    """
+
+    def __init__(self, seed: int | None = 0, n_in: int = 8, n_out: int = 6):
+        if seed is not None:
+            torch.manual_seed(seed)
         self.lin = nn.Linear(n_in, n_out)
 
     def forward(self, x, ctx):
@@ -30,10 +34,11 @@ class Body(Node):
 
 
 class Head(Node):
-    """The seeds' head: a linear layer to 3 classes."""
+    """The seeds' head: a linear layer to 3 classes (``seed=None`` as for Body)."""
 
-    def __init__(self, seed: int = 1, n_in: int = 6):
-        torch.manual_seed(seed)
+    def __init__(self, seed: int | None = 1, n_in: int = 6):
+        if seed is not None:
+            torch.manual_seed(seed)
         self.lin = nn.Linear(n_in, 3)
 
     def forward(self, x, ctx):

@@ -6,6 +6,7 @@ two identical copies of a graph so one can be trained in pieces and one whole.
 
 from __future__ import annotations
 
+import models
 import torch
 from torch import nn
 
@@ -25,30 +26,18 @@ class Pre(Node):
         return list(self.lin.parameters())
 
 
-class Body(Node):
-    """The seed's body: no super().__init__(), knows nothing of training."""
+class Body(models.Body):
+    """The seeds' body, its weights drawn from torch's generator as it stands."""
 
     def __init__(self, n_in: int = 8, n_out: int = 6):
-        self.lin = nn.Linear(n_in, n_out)
-
-    def forward(self, x, ctx):
-        return Done(Opaque(self.lin(x).relu()))
-
-    def parameters(self):
-        return list(self.lin.parameters())
+        super().__init__(None, n_in, n_out)
 
 
-class Head(Node):
-    """A linear layer to 3 classes."""
+class Head(models.Head):
+    """The seeds' head, its weights drawn from torch's generator as it stands."""
 
     def __init__(self, n_in: int = 6):
-        self.lin = nn.Linear(n_in, 3)
-
-    def forward(self, x, ctx):
-        return Done(Opaque(self.lin(x)))
-
-    def parameters(self):
-        return list(self.lin.parameters())
+        super().__init__(None, n_in)
 
 
 class Mute(Node):

@@ -5,31 +5,13 @@ import sys
 
 import pytest
 import torch
+from split_nodes import Body, Head
 from torch import nn
 
-from somatize import Done, Graph, Node, Opaque, codec
+from somatize import Graph, Opaque, codec
 from somatize._keys import key_of_input
 from somatize._values import codec_for
 from somatize.torch import ModuleNode, from_blob, node, to_blob
-
-
-class Body(Node):
-    def __init__(self):
-        self.lin = nn.Linear(8, 6)  # no super().__init__(), as in the seeds
-
-    def forward(self, x, ctx):
-        return Done(Opaque(self.lin(x).relu()))
-
-    def parameters(self):
-        return list(self.lin.parameters())
-
-
-class Head(Node):
-    def __init__(self):
-        self.lin = nn.Linear(6, 3)
-
-    def forward(self, x, ctx):
-        return Done(Opaque(self.lin(x)))
 
 
 def test_importing_somatize_imports_no_torch():
