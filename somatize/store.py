@@ -157,10 +157,7 @@ class Store:
         except FileNotFoundError:
             return None
         except OSError as e:
-            say_once(("store read", str(self.path), e.errno),
-                     f"store {self.path}: cannot read {path} ({e.strerror}); treated as a "
-                     "miss, the value is recomputed. Check the directory's permissions")
-            return None
+            return self._unreadable(path, e)
         try:
             d = json.loads(raw)
             blob, size, meta = d["blob"], int(d["size"]), d.get("meta") or {}
@@ -242,10 +239,7 @@ class Store:
                      "treated as a miss, the value is recomputed and kept again")
             return None
         except OSError as e:
-            say_once(("store read", str(self.path), e.errno),
-                     f"store {self.path}: cannot read {path} ({e.strerror}); treated as a "
-                     "miss, the value is recomputed. Check the directory's permissions")
-            return None
+            return self._unreadable(path, e)
         if _hash(buf) != blob:
             self._damaged(blob, "its bytes do not match its name (corrupted)", name)
             return None
@@ -262,6 +256,12 @@ class Store:
             return buf
         # copy-on-write: the caller may modify what it gets; the file never changes
         return mmap.mmap(f.fileno(), n, access=mmap.ACCESS_COPY)
+
+    def _unreadable(self, path: str, e: OSError) -> None:
+        # said once per store and errno: a permissions problem hits every read alike
+        say_once(("store read", str(self.path), e.errno),
+                 f"store {self.path}: cannot read {path} ({e.strerror}); treated as a "
+                 "miss, the value is recomputed. Check the directory's permissions")
 
     def _damaged(self, blob: str, why: str, name: str) -> None:
         # moved aside (a rename: whoever maps it keeps reading), so the next put rewrites it
