@@ -13,7 +13,6 @@ shared store must not serve one value under another's name.
 from __future__ import annotations
 
 import dis
-import inspect
 import json
 import struct
 import types
@@ -154,10 +153,3 @@ def _global_piece(value: Any, depth: int) -> str:
 def changed(old: dict[str, str], new: dict[str, str]) -> list[str]:
     """The methods whose code differs between two fingerprints."""
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
-
-
-def source_file(cls: type) -> str:
-    try:
-        return inspect.getsourcefile(cls) or "?"
-    except TypeError:
-        return "?"
