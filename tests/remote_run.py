@@ -22,6 +22,13 @@ from somatize.remote import Worker, runtime_for
 from models import *
 torch.manual_seed(0)
 x = torch.randn(5, 8)
+def worker_error(g, x, **kw):  # g.forward must raise: its message, the seconds it took
+    t = time.monotonic()
+    try:
+        g.forward(x, **kw)
+    except WorkerError as e:
+        return str(e), time.monotonic() - t
+    raise SystemExit("no error")
 """
 
 

@@ -248,11 +248,7 @@ def test_provisioning_refuses_a_different_catalog_on_an_open_session(tmp_path):
 def test_an_exception_in_a_node_over_there_names_the_worker_and_the_node(tmp_path):
     coordinate("""
         with Graph.somatize(Body().at("gpu") >> Boom().at("gpu") >> Head()) as g:
-            try:
-                g.forward(x)
-                raise SystemExit("no error")
-            except WorkerError as e:
-                msg = str(e)
+            msg, _ = worker_error(g, x)
         assert "'boom'" in msg and "'gpu'" in msg and "ValueError" in msg, msg
         assert "boom inside the node" in msg and "Traceback" in msg, msg
     """, tmp_path)
@@ -261,13 +257,7 @@ def test_an_exception_in_a_node_over_there_names_the_worker_and_the_node(tmp_pat
 def test_a_call_that_takes_too_long_fails_within_the_timeout(tmp_path):
     coordinate("""
         g = Graph.somatize(Sleepy("pid.txt", 30).at("gpu"))
-        t = time.monotonic()
-        try:
-            g.forward(x, workers={"gpu": Worker.embedded(timeout=3)})
-            raise SystemExit("no error")
-        except WorkerError as e:
-            msg = str(e)
-        took = time.monotonic() - t
+        msg, took = worker_error(g, x, workers={"gpu": Worker.embedded(timeout=3)})
         assert "'gpu'" in msg and "sleepy" in msg and "3 s" in msg, msg
         assert took < 25, took      # bounded by the timeout, not by the 30 s sleep
         g.close()
