@@ -62,12 +62,6 @@ class GraphModule(nn.Module):
                 self.nodes[n].eval()
         return self
 
-    def local_parameters(self, without: Any = ()) -> list[nn.Parameter]:
-        """The parameters that train here: those of nodes not in ``without``, not frozen."""
-        from ._freeze import parameters
-
-        return parameters(self.graph, without=without)
-
     def __getstate__(self):
         state = self.__dict__.copy()
         state["runner"] = None
