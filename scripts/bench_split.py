@@ -35,36 +35,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from somatize import Done, Graph, Node, Opaque  # noqa: E402
-from somatize.torch import Split, Trainer, parameters  # noqa: E402
+from somatize import Graph  # noqa: E402
+from somatize.torch import Split, Trainer, node, parameters  # noqa: E402
 
 LR = 0.01
-
-
-class Body(Node):
-    """The far half: 784 -> 1024 -> 1024."""
-
-    def __init__(self, mlp: nn.Module):
-        self.mlp = mlp
-
-    def forward(self, x, ctx):
-        return Done(Opaque(self.mlp(x)))
-
-    def parameters(self):
-        return list(self.mlp.parameters())
-
-
-class Head(Node):
-    """The near half: 1024 -> 10."""
-
-    def __init__(self, lin: nn.Module):
-        self.lin = lin
-
-    def forward(self, x, ctx):
-        return Done(Opaque(self.lin(x)))
-
-    def parameters(self):
-        return list(self.lin.parameters())
 
 
 def fresh():
@@ -120,11 +94,11 @@ def main() -> None:
             for _ in range(n)]
 
     mlp, head = fresh()
-    whole = Graph.somatize(Body(mlp) >> Head(head))
+    whole = Graph.somatize(node(mlp).named("body") >> node(head).named("head"))
     one = Trainer(whole, F.cross_entropy, torch.optim.SGD(parameters(whole), lr=LR))
 
     mlp, head = fresh()
-    far = Graph.somatize(Body(mlp).at("gpu") >> Head(head))
+    far = Graph.somatize(node(mlp).named("body").at("gpu") >> node(head).named("head"))
     trains = {"body": Split(torch.optim.SGD, lr=LR)}
     split = Trainer(far, F.cross_entropy, torch.optim.SGD(parameters(far, without=trains),
                                                           lr=LR), trains=trains)
