@@ -354,9 +354,16 @@ def run_graph(graph, input, *, store=None, workers=None, feeds=None, training=Fa
     sinks = graph.sinks
     out = walk(graph, graph.plan.order, inputs=inputs, keeper=keeper, naming=naming,
                training=training, remote=remote, wanted=sinks)
+    return output(graph, out.values, sinks)
+
+
+def output(graph, values: Mapping[str, Any], sinks: tuple[str, ...] | None = None) -> Any:
+    """The sink's bare value, or ``{sink: value}`` with several sinks (``graph.sinks``,
+    unless the caller read them once already); a sink left on a worker raises ``Lost``."""
+    sinks = graph.sinks if sinks is None else sinks
     result = {}
     for s in sinks:
-        v = out.values[s]
+        v = values[s]
         if isinstance(v, Left):
             raise Lost(
                 f"the value of sink {s!r} stayed on worker {v.host!r} ({v.why}): it cannot "

@@ -25,12 +25,12 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
-from .._engine import walk
+from .._engine import output, walk
 from .._errors import Refused, WorkerError
 from .._learning import IN, Learning
 from ..remote import Runtime, serve_if_worker
 from ..torch import GraphModule, Split
-from ..torch._staged import Staged, output, params_of
+from ..torch._staged import Staged, params_of
 from ..torch._trainer import _load_trainer, _read_trainer, _restore
 from ._callback import graph_modules
 

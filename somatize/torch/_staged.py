@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .._engine import walk
+from .._engine import output, walk
 from .._graph import Graph
 from .._learning import COMPUTES, IN, Envelope, Learning, around, position_of
 from .._stages import stages
@@ -138,16 +138,6 @@ class Staged:
         """Deliver the gradients still owed to trainers (done before reading or closing)."""
         for n in list(self.owed):
             self.learn(n, self.owed.pop(n))
-
-
-def output(graph: Graph, values: Mapping[str, Any], sinks: tuple[str, ...] | None = None,
-           ) -> Any:
-    """The sink's bare value, or ``{sink: value}`` with several sinks (``graph.sinks``,
-    unless the caller read them once already)."""
-    sinks = graph.sinks if sinks is None else sinks
-    if len(sinks) == 1:
-        return bare(values[sinks[0]])
-    return {s: bare(values[s]) for s in sinks}
 
 
 def params_of(node: Any) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .._engine import walk
+from .._engine import output, walk
 from .._errors import NoGradient, Refused
 from .._graph import Graph
 from .._learning import Learning
@@ -34,7 +34,7 @@ from .._memory import cacheable, check_settled, has_state
 from .._node import kind_of
 from .._stages import levels
 from ._freeze import freeze, state_of
-from ._staged import Staged, output, params_of
+from ._staged import Staged, params_of
 
 log = logging.getLogger(__name__)
 
