@@ -15,13 +15,16 @@ from ._errors import NotSettled, Refused
 from ._node import kind_of
 
 
+def params_of(node: Any) -> list:
+    """The tensors a node says are its parameters (none when it says nothing)."""
+    params = getattr(node, "parameters", None)
+    return list(params()) if callable(params) else []
+
+
 def has_state(node: Any) -> bool:
     """Whether a node says it has weights (by the ``parameters()`` duck)."""
-    params = getattr(node, "parameters", None)
-    if not callable(params):
-        return False
     try:
-        return any(True for _ in params())
+        return bool(params_of(node))
     except TypeError:
         return False
 

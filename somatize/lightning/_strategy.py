@@ -28,9 +28,10 @@ from typing_extensions import override
 from .._engine import output, walk
 from .._errors import Refused, WorkerError
 from .._learning import IN, Learning
+from .._memory import params_of
 from ..remote import Runtime, serve_if_worker
 from ..torch import GraphModule, Split
-from ..torch._staged import Staged, params_of
+from ..torch._staged import Staged
 from ..torch._trainer import _load_trainer, _read_trainer, _restore
 from ._callback import graph_modules
 

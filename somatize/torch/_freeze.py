@@ -14,6 +14,7 @@ import torch
 from blake3 import blake3
 
 from .._keys import digest
+from .._memory import params_of
 from ._codec import to_blob
 
 
@@ -31,8 +32,8 @@ def state_of(node: Any) -> list[tuple[str, torch.Tensor]]:
         for name, m in modules_of(node)
         for k, v in m.state_dict(keep_vars=True).items()
     ]
-    if not state and callable(getattr(node, "parameters", None)):
-        state = [(str(i), p) for i, p in enumerate(node.parameters())]
+    if not state:
+        state = [(str(i), p) for i, p in enumerate(params_of(node))]
     return state
 
 
@@ -75,9 +76,9 @@ def parameters(graph, without: Iterable[str] | Mapping[str, Any] = ()) -> list[t
     seen: set[int] = set()
     out = []
     for n, node in graph.catalog.items():
-        if n in skip or n in graph.memory.frozen or not callable(getattr(node, "parameters", None)):
+        if n in skip or n in graph.memory.frozen:
             continue
-        for p in node.parameters():
+        for p in params_of(node):
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 out.append(p)

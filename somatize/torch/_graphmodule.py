@@ -16,6 +16,7 @@ from typing import Any
 from torch import nn
 
 from .._graph import Graph, Placement
+from .._memory import params_of
 from ._freeze import modules_of
 
 
@@ -26,8 +27,7 @@ def _holder(node: Any) -> nn.Module | None:
     mods = modules_of(node)
     if mods:
         return nn.ModuleDict(dict(mods))
-    params = getattr(node, "parameters", None)
-    got = list(params()) if callable(params) else []
+    got = params_of(node)
     return nn.ParameterList(got) if got else None
 
 

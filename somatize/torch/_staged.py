@@ -19,6 +19,7 @@ import torch
 from .._engine import output, walk
 from .._graph import Graph
 from .._learning import COMPUTES, IN, Envelope, Learning, around, position_of
+from .._memory import params_of
 from .._stages import stages
 from .._values import Opaque, bare
 
@@ -138,12 +139,6 @@ class Staged:
         """Deliver the gradients still owed to trainers (done before reading or closing)."""
         for n in list(self.owed):
             self.learn(n, self.owed.pop(n))
-
-
-def params_of(node: Any) -> list[torch.Tensor]:
-    """The tensors a node says are its parameters (none when it says nothing)."""
-    params = getattr(node, "parameters", None)
-    return list(params()) if callable(params) else []
 
 
 def _trainable(graph: Graph, n: str) -> bool:

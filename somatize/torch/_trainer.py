@@ -30,11 +30,11 @@ from .._engine import output, walk
 from .._errors import NoGradient, Refused
 from .._graph import Graph
 from .._learning import Learning
-from .._memory import cacheable, check_settled, has_state
+from .._memory import cacheable, check_settled, has_state, params_of
 from .._node import kind_of
 from .._stages import levels
 from ._freeze import freeze, state_of
-from ._staged import Staged, params_of
+from ._staged import Staged
 
 log = logging.getLogger(__name__)
 
