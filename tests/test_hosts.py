@@ -25,7 +25,7 @@ def _daemon(host, name: str, port: int, tmp_path: Path, *extra: str):
     """A standing worker on ``host``, listening on its address; returns it once it listens."""
     log = tmp_path / f"daemon-{name}.log"
     proc = host.popen([sys.executable, "-m", "somatize.worker", "--name", name, "--listen",
-                       f"{host.addr}:{port}", *extra], env=env(),
+                       f"{host.addr}:{port}", "--keepalive", "1", *extra], env=env(),
                       stdout=open(log, "w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 30
     while "listening on" not in log.read_text():
@@ -173,6 +173,63 @@ def test_a_value_from_a_worker_on_b_to_one_on_c_never_crosses_the_coordinators_l
     for d in daemons:
         _stop(d)
     assert hosts.running() == {}
+
+
+def test_a_worker_host_cut_off_mid_run_is_a_worker_error_and_nothing_stays_running(
+        hosts, tmp_path):
+    a, b = hosts["a"], hosts["b"]
+    daemon = _daemon(b, "gpu", 7000, tmp_path)
+    pid_file = tmp_path / "sleepy.pid"
+    # the node sleeps 1 s and the call may take 3: only the cut makes it fail
+    coordinator = a.popen(_script(a, f"""
+        g = Graph.somatize(Body().at("gpu") >> Sleepy({str(pid_file)!r}, 1).at("gpu") >> Head())
+        msg, _ = worker_error(g, x, workers={{"gpu": Worker.at("{b.addr}:7000", timeout=3)}})
+        print("AT", time.time(), "MSG", msg, flush=True)
+        g.close()
+    """, tmp_path, "cut.py"), env=env(), cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not pid_file.exists():
+        assert coordinator.poll() is None and time.monotonic() < deadline, \
+            coordinator.communicate()
+        time.sleep(0.02)
+    b.down()
+    cut = time.time()
+    serving = int(pid_file.read_text())
+    # the cut-off side finds its coordinator gone (keepalive: 1 s, 3 probes) and ends the run
+    assert _gone(serving, time.monotonic() + 15), "the cut-off serving process still runs"
+    assert "stopped answering" in daemon[1].read_text()
+    out, err = coordinator.communicate(timeout=60)
+    assert coordinator.returncode == 0, out + err[-4000:]
+    raised, msg = float(out.split("AT")[1].split()[0]), out.split("MSG")[1]
+    assert raised - cut < 3, raised - cut  # within the call's timeout
+    assert "worker 'gpu'" in msg and "Worker(timeout=...)" in msg, msg
+    assert hosts.running() == {"b": [daemon[0].pid]}  # the coordinator and its worker: gone
+    b.up()  # and the daemon serves the next run
+    out = _coordinate(a, f"""
+        here = Graph.somatize(Body() >> Head()).forward(x)
+        with Graph.somatize(Body().at("gpu") >> Head()) as g:
+            y = g.forward(x, workers={{"gpu": Worker.at("{b.addr}:7000", timeout=30)}})
+        assert torch.equal(y, here)
+        print("EQUAL")
+    """, tmp_path, "again.py")
+    assert "EQUAL" in out
+    _stop(daemon)
+    assert hosts.running() == {}
+
+
+def test_a_daemon_listening_beyond_loopback_says_whoever_connects_runs_code(hosts, tmp_path):
+    b = hosts["b"]  # 0.0.0.0 inside host b: every interface there, none of this machine's
+    proc = b.popen([sys.executable, "-m", "somatize.worker", "--name", "gpu", "--listen",
+                    "0.0.0.0:7000"], env=env(), stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while "listening on" not in (line := proc.stderr.readline()):
+        assert line and time.monotonic() < deadline, "the daemon never listened"
+    warning = proc.stderr.readline()
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=30) == 0
+    proc.stderr.close()
+    assert "0.0.0.0 is not loopback" in warning and "runs code on this machine" in warning
 
 
 def test_hosts_left_by_a_killed_run_are_swept_and_their_processes_killed(hosts):
