@@ -11,7 +11,7 @@ so that a coordinator and its workers talk over real links and no packet leaves 
 
     def test_it(hosts): ...           # the pytest fixture (conftest.py): hosts a, b, c
 
-    python3 tests/hosts.py up|down [--rate 1gbit]   # scripts/hosts.sh: hosts to try by hand
+    bash scripts/hosts.sh up; bash scripts/hosts.sh exec b CMD...; bash scripts/hosts.sh down
 
 Namespaces are named ``somahost-<tag>-<host>`` (the bridge's ``somahost-<tag>-sw``), the
 tag being the pid of the process that made them, so parallel runs cannot collide and a
@@ -73,8 +73,8 @@ class Host:
         across machines. Every step execs, so the pid is the command's.
         """
         return ["ip", "netns", "exec", self.ns, "sh", "-c",
-                'mount --bind "$0" /proc/sys/kernel/random/boot_id && exec "$@"',
-                f"{RUN}/{self.ns}/boot_id", *argv]
+                'mount --bind "$1" /proc/sys/kernel/random/boot_id && shift && exec "$@"',
+                f"host-{self.name}", f"{RUN}/{self.ns}/boot_id", *argv]
 
     def popen(self, argv: list[str], env: dict[str, str] | None = None, **kw) -> subprocess.Popen:
         """Start ``argv`` on this host."""
@@ -137,7 +137,9 @@ class Hosts:
         sweep()
         try:
             _ip("netns", "add", self.switch)
+            # no IPv6 link-local address anywhere: the only addresses are ours (and loopback)
             _ip("-n", self.switch, "link", "add", "name", "sw", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "sw", "addrgenmode", "none")
             _ip("-n", self.switch, "link", "set", "sw", "up")
             for h in self.hosts.values():
                 _ip("netns", "add", h.ns)
@@ -147,6 +149,8 @@ class Hosts:
                 # made inside the namespaces: no name is ever taken in the root one
                 _ip("-n", self.switch, "link", "add", "name", f"to-{h.name}", "type", "veth",
                     "peer", "name", h.iface, "netns", h.ns)
+                _ip("-n", self.switch, "link", "set", f"to-{h.name}", "addrgenmode", "none")
+                _ip("-n", h.ns, "link", "set", h.iface, "addrgenmode", "none")
                 _ip("-n", self.switch, "link", "set", f"to-{h.name}", "master", "sw", "up")
                 _ip("-n", h.ns, "addr", "add", f"{h.addr}/24", "dev", h.iface)
                 _ip("-n", h.ns, "link", "set", h.iface, "up")
@@ -261,25 +265,35 @@ def fixture():
         made.close()
 
 
+USAGE = """usage: scripts/hosts.sh up [--rate 1gbit] | exec HOST CMD... | down
+  up     hosts a, b, c (198.18.0.1, .2, .3) behind one bridge, each link limited to RATE
+  exec   run CMD on HOST (a, b or c), with TP_SOCKET_IFNAME and GLOO_SOCKET_IFNAME set
+  down   kill whatever runs on them and remove them"""
+
+
 def main(argv: list[str]) -> int:
-    """``up [--rate R]``: hosts a, b, c under the tag ``sh`` (printed); ``down``: remove them."""
-    if not argv or argv[0] not in ("up", "down"):
-        print("usage: scripts/hosts.sh up [--rate 1gbit] | down", file=sys.stderr)
-        return 2
+    """scripts/hosts.sh: the same hosts by hand, under the tag ``sh`` (not swept)."""
     made = Hosts("a", "b", "c", tag="sh")
-    if argv[0] == "down":
+    if argv[:1] == ["down"]:
         made.close()
-        return 0
-    made.close()  # up again from scratch
-    made.up()
-    if "--rate" in argv:
-        rate = argv[argv.index("--rate") + 1]
+    elif argv[:1] == ["up"]:
+        made.close()  # from scratch
+        try:
+            made.up()
+        except HostsError as e:
+            print(e, file=sys.stderr)
+            return 1
+        if "--rate" in argv:
+            for h in made.hosts.values():
+                h.shape(argv[argv.index("--rate") + 1])
         for h in made.hosts.values():
-            h.shape(rate)
-    for h in made.hosts.values():
-        print(f"host {h.name}: {h.addr} on {h.iface}: "
-              f"TP_SOCKET_IFNAME={h.iface} GLOO_SOCKET_IFNAME={h.iface} "
-              f"ip netns exec {h.ns} CMD")
+            print(f"host {h.name}: {h.addr} on {h.iface} (namespace {h.ns})")
+    elif argv[:1] == ["exec"] and len(argv) > 2 and argv[1] in made.hosts:
+        h = made[argv[1]]
+        os.execvpe("ip", h.command(argv[2:]), h.env())
+    else:
+        print(USAGE, file=sys.stderr)
+        return 2
     return 0
 
 

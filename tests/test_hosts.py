@@ -237,6 +237,10 @@ def test_hosts_left_by_a_killed_run_are_swept_and_their_processes_killed(hosts):
     gone.wait()  # a pid nobody holds: the run that made these hosts was killed
     stale = Hosts("x", tag=str(gone.pid)).up()
     sleeper = stale["x"].popen(["sleep", "60"])
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{sleeper.pid}/cmdline").read_bytes()[:5] != b"sleep":  # exec'd
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     assert sorted(sweep()) == sorted([stale["x"].ns, stale.switch])
     assert sleeper.wait(timeout=10) == -signal.SIGKILL
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
