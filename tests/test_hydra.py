@@ -2,8 +2,8 @@
 `python train.py ...` as real processes that must exit 0."""
 
 import os
-import re
 import pickle
+import re
 import subprocess
 import sys
 
