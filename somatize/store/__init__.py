@@ -39,7 +39,8 @@ was read), ``_guarded`` (the never-raising keeper the engine is handed).
 """
 
 from ._entry import Entry
-from ._guarded import Guarded, open_keeper
+from ._guarded import Guarded as Guarded  # what open_keeper returns; not in __all__
+from ._guarded import open_keeper
 from ._store import Store
 
-__all__ = ["Entry", "Guarded", "Store", "open_keeper"]
+__all__ = ["Entry", "Store", "open_keeper"]
