@@ -18,7 +18,7 @@ from ._keys import changed, fingerprint, key_of_input, key_of_node
 from ._memory import state_digest
 from ._node import kind_of
 from ._say import say_once
-from ._values import Opaque, bare
+from ._values import Opaque, bare, codec_for
 
 
 def naming(graph, keeper: Any, runtime: Any) -> bool:
@@ -86,7 +86,8 @@ def _name(graph, order, inputs, given_keys) -> dict[str, str | None]:
             x = inputs.get(n)
             if id(x) not in by_input:
                 by_input[id(x)] = key_of_input(x) if n in inputs else None
-                if n in inputs and by_input[id(x)] is None:
+                # a value whose codec refused it was said by key_of_input, with the reason
+                if n in inputs and by_input[id(x)] is None and codec_for(bare(x)) is None:
                     what = type(bare(x)).__qualname__
                     say_once(("nameless input", n, what),
                              f"root {n!r} is fed a {what} that has no codec: nothing below it "
