@@ -61,21 +61,25 @@ def main(cfg: DictConfig) -> float | None:
 
 
 def where(trainer: pl.Trainer, model: pl.LightningModule) -> dict[str, str]:
-    """Where each node of the model's graph ran (placement is honoured by one strategy),
-    and for a cached node how many batches (training and validation) it ran for and how
-    many its output was read from the store for."""
+    """Where each node of the model's graph ran, by the processes that ran it (the
+    strategy counts them: placement is honoured by one strategy), and for a cached node
+    how many batches it ran for and how many its output was read from the store for."""
     from somatize.lightning import SomatizeCache, SomatizeStrategy
 
     graph = model.net.graph
-    honoured = isinstance(trainer.strategy, SomatizeStrategy)
+    strategy = trainer.strategy
+    ran = strategy.where().get("net", {}) if isinstance(strategy, SomatizeStrategy) else {}
     cache = next((c for c in trainer.callbacks if isinstance(c, SomatizeCache)), None)
+    here = os.getpid()
     said = {}
     for n in graph.ids:
-        host = graph.placement.get(n) if honoured else None
-        said[n] = f"ran on worker {host!r}" if host else "ran here"
+        pids = ran.get(n) or {here: None}  # not counted: GraphModule ran it in this process
+        said[n] = "ran in " + ", ".join(
+            f"process {pid} ({'here' if pid == here else f'worker {graph.placement.get(n)!r}'})"
+            + (f" {times} times" if times else "") for pid, times in pids.items())
         if cache is not None and n in graph.memory.cached:  # the example caches one node
-            said[n] += (f" for {cache.misses} batches; its output was read from the store "
-                        f"for {cache.hits}")
+            said[n] += (f"; it ran for {cache.misses} batches, its output was read from the "
+                        f"store for {cache.hits}")
     return said
 
 

@@ -9,6 +9,9 @@ and never compute twice what is settled.
 The core (graph, plan, stages, keys) imports no torch; ``somatize.torch`` does.
 """
 
+import sys
+
+from . import _holes
 from ._errors import (
     ContractError,
     GraphError,
@@ -24,6 +27,7 @@ from ._errors import (
 from ._graph import Graph, Memory, Placement
 from ._keeper import Keeper, Kept
 from ._keys import key_of_input, key_of_node
+from ._learning import Learning
 from ._memory import cacheable
 from ._node import Ctx, Node
 from ._plan import Plan
@@ -31,22 +35,52 @@ from ._stages import cut, stages
 from ._values import Blob, Done, Opaque, codec
 
 __all__ = [
-    "Blob", "ContractError", "Ctx", "Done", "Graph", "GraphError", "Keeper", "Kept", "Lost",
-    "Memory", "MissingInput", "NoGradient", "Node", "NotSettled", "Opaque", "Placement", "Plan",
-    "Refused", "SomatizeError", "StoreError", "WorkerError", "cacheable", "codec", "cut",
+    "Blob", "ContractError", "Ctx", "Done", "Graph", "GraphError", "Keeper", "Kept", "Learning",
+    "Lost", "Memory", "MissingInput", "NoGradient", "Node", "NotSettled", "Opaque", "Placement",
+    "Plan", "Refused", "SomatizeError", "StoreError", "WorkerError", "cacheable", "codec", "cut",
     "key_of_input", "key_of_node", "stages",
 ]
 __version__ = "0.1.0"
 
 
+def _module_node(obj):
+    # an nn.Module composed with a node is wrapped, only if torch is already loaded
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        from .torch import node
+
+        return node(obj)
+    return None
+
+
+def _open_keeper(store):
+    from .store import open_keeper
+
+    return open_keeper(store)
+
+
+def _runtime_for(graph, workers):
+    from .remote import runtime_for
+
+    return runtime_for(graph, workers)
+
+
+def _release(graph):
+    if "somatize.remote" in sys.modules:  # nothing was started if it was never imported
+        from .remote import release
+
+        release(graph)
+
+
+# the defaults that fill the core's holes, each importing its layer at first use
+_holes.adapt(_module_node)
+_holes.fill(keeper=_open_keeper, transport=_holes.Transport(_runtime_for, _release))
+
+
 def __getattr__(name):
-    # Worker and Learning live beside what fills them; load them only when asked for
+    # a Worker is the transport's: load it only when asked for
     if name == "Worker":
         from .remote import Worker
 
         return Worker
-    if name == "Learning":
-        from ._learning import Learning
-
-        return Learning
     raise AttributeError(f"module 'somatize' has no attribute {name!r}")

@@ -7,19 +7,19 @@ stretches to the transport, with each value's key travelling beside it.
 
 from __future__ import annotations
 
-import json
+import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import _holes
 from ._errors import ContractError, Lost, MissingInput
-from ._keys import changed, fingerprint, key_of_input, key_of_node
-from ._memory import cacheable, check_settled, state_digest
+from ._memory import cacheable, check_settled
+from ._naming import cached_here, keep, look_up, naming
 from ._node import Ctx, kind_of
 from ._plan import Unit, units
-from ._say import say_once
-from ._values import Done, FanIn, Left, Opaque, bare
+from ._values import Done, FanIn, Left, bare
 
 
 @dataclass
@@ -30,6 +30,7 @@ class Outcome:
     keys: dict[str, str | None] = field(default_factory=dict)
     ran: list[str] = field(default_factory=list)
     hits: list[str] = field(default_factory=list)
+    pids: dict[str, int] = field(default_factory=dict)  # node -> the process that ran it
 
 
 @dataclass(frozen=True)
@@ -44,40 +45,6 @@ class Stretch:
     naming: bool
     training: bool
     wanted: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Named:
-    """What is known of a walk before anything runs: every key, and the cached values
-    the keeper already holds (by node, their code fingerprints checked)."""
-
-    keys: Mapping[str, str | None]
-    hits: Mapping[str, Any]
-
-
-def look_up(
-    graph,
-    order: Iterable[str],
-    *,
-    inputs: Mapping[str, Any],
-    given_keys: Mapping[str, str | None] | None = None,
-    here: str | None = None,
-    keeper: Any = None,
-) -> Named:
-    """Name the nodes of ``order`` over ``inputs`` and ask ``keeper`` for the cached ones
-    run on ``here``'s side: the part of a walk that runs no node."""
-    keys = _name(graph, order, inputs, given_keys or {})
-    hits: dict[str, Any] = {}
-    if keeper is not None:
-        cached = _cached_here(graph, here)
-        ask = [n for n in order if n in cached and keys.get(n)]
-        if ask:
-            found = keeper.get_many([f"value/{keys[n]}" for n in ask])
-            for n, kept in zip(ask, found, strict=True):
-                if kept is not None:
-                    _check_fingerprint(graph, n, kept.meta)
-                    hits[n] = kept.value
-    return Named(keys, hits)
 
 
 def run_node(node_id: str, node: Any, x: Any, host: str | None, training: bool) -> Any:
@@ -134,6 +101,7 @@ def walk(
         hits = named.hits
     shape = _shape_of(graph, order, here, wanted, hits)
     cached = shape.cached
+    pid = os.getpid()
 
     def read(consumer: str, p: str) -> Any:
         v = values[p] if p in values else given[p] if p in given else _missing(consumer, p)
@@ -184,14 +152,16 @@ def walk(
             values[n] = run_node(graph.reports.get(n, n), graph.catalog[n], input_of(n), here,
                                  training)
             out.ran.append(n)
+            out.pids[n] = pid
             if n in cached and keeper is not None and keys.get(n):
-                _keep(graph, keeper, n, keys[n], values[n])
+                keep(graph, keeper, n, keys[n], values[n])
         for p in pending:
             got = p.result()
             values.update(got.values)
             keys.update({k: v for k, v in got.keys.items() if v is not None or k not in keys})
             out.ran += got.ran
             out.hits += got.hits
+            out.pids.update(got.pids)
     return out
 
 
@@ -230,7 +200,7 @@ def _shape_of(graph, order: tuple[str, ...], here: str | None, wanted, hits) -> 
             (tuple(_sent(graph, u, needed, wanted) for u in wave if u.host is not None),
              tuple(u.nodes[0] for u in wave if u.host is None))
             for wave in units(preds, todo, graph.placement.hosts, here))
-        shape = _Shape(_cached_here(graph, here), frozenset(wanted), frozenset(needed), todo,
+        shape = _Shape(cached_here(graph, here), frozenset(wanted), frozenset(needed), todo,
                        waves)
         if len(memo) > 256:  # bounded: hits that vary batch to batch make new shapes
             memo.clear()
@@ -250,10 +220,6 @@ def _sent(graph, unit: Unit, needed, wanted) -> tuple:
     return unit, outside, roots, answers
 
 
-def _cached_here(graph, here: str | None) -> frozenset[str]:
-    return frozenset(n for n in graph.memory.cached if graph.placement.get(n) == here)
-
-
 def _missing(consumer: str, p: str):
     raise MissingInput(f"node {consumer!r} needs the value of {p!r}, which was not handed over")
 
@@ -262,98 +228,24 @@ def _side(host: str | None) -> str:
     return "the coordinator (here)" if host is None else f"worker {host!r}"
 
 
-def _name(graph, order, inputs, given_keys) -> dict[str, str | None]:
-    keys: dict[str, str | None] = dict(given_keys)
-    by_input: dict[int, str | None] = {}  # roots fed the same object are hashed once
-    for n in order:
-        ps = graph.preds[n]
-        if ps:
-            fed = [(p, keys.get(p)) for p in ps]
-        else:
-            # a root node is named like any other, over the key of what it is fed: two
-            # encoders (or two checkpoints) fed one input must not share a name
-            x = inputs.get(n)
-            if id(x) not in by_input:
-                by_input[id(x)] = key_of_input(x) if n in inputs else None
-                if n in inputs and by_input[id(x)] is None:
-                    what = type(bare(x)).__qualname__
-                    say_once(("nameless input", n, what),
-                             f"root {n!r} is fed a {what} that has no codec: nothing below it "
-                             "is named, so nothing below it is kept (import somatize.torch "
-                             "for tensors, or register a codec with somatize.codec)")
-            fed = [("", by_input[id(x)])]
-        node = graph.catalog[n]
-        keys[n] = key_of_node(kind_of(node), state_digest(node), graph.memory.cached.get(n), fed)
-    return keys
-
-
-def _code_of(node: Any) -> type:
-    return getattr(node, "_soma_code", None) or type(node)
-
-
-# a class's fingerprint, read once per process: disassembling it costs milliseconds,
-# more than a hit saves on a small node
-_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _fingerprint_of(node: Any) -> str:
-    cls = _code_of(node)
-    if cls not in _fingerprints:
-        _fingerprints[cls] = json.dumps(fingerprint(cls), sort_keys=True)
-    return _fingerprints[cls]
-
-
-def _keep(graph, keeper, n: str, key: str, value: Any) -> None:
-    node = graph.catalog[n]
-    meta = {"node": n, "class": kind_of(node), "fingerprint": _fingerprint_of(node)}
-    keeper.put(f"value/{key}", value.value if isinstance(value, Opaque) else value, meta)
-
-
-def _check_fingerprint(graph, n: str, meta: Mapping[str, str]) -> None:
-    node = graph.catalog[n]
-    now = _fingerprint_of(node)
-    if meta.get("fingerprint") == now:
-        return
-    try:
-        old = json.loads(meta.get("fingerprint", "{}"))
-    except ValueError:
-        old = {}
-    diff = changed(old, json.loads(now))
-    if diff:
-        say_once(
-            ("fingerprint", n, tuple(diff)),
-            f"node {n!r} ({kind_of(node)}): the value kept under its name was produced by "
-            f"different code ({', '.join(diff)} changed since). It is used anyway: the code "
-            f"is not part of the name. If the change alters what {n!r} produces, say so in "
-            f"its key with .cached(salt='v2')",
-        )
-
-
 def run_graph(graph, input, *, store=None, workers=None, feeds=None, training=False):
     """``Graph.forward``: check what is declared, open the keeper, walk, read the sinks."""
-    from .store import open_keeper
-
     if graph.memory.cached:
         cacheable(graph)
     check_settled(graph)
-    keeper = open_keeper(store)
+    keeper = _holes.keeper(store)
     remote = None
     if graph.placement.hosts:
-        from .remote import runtime_for
-
-        remote = runtime_for(graph, workers)
-    # keys are computed only where something cached can be kept (here or on a worker)
-    naming = bool(graph.memory.cached) and (
-        keeper is not None or bool(remote is not None and remote.keeps()))
-    if graph.memory.cached and not naming:
-        say_once(("nothing kept", id(graph)),
-                 f"nodes {sorted(graph.memory.cached)} are .cached() but no store was given "
-                 "(here or on a worker): nothing is kept. Pass store='/path/to/dir'")
+        remote = _holes.transport().runtime_for(graph, workers)
+    if feeds is not None and not isinstance(feeds, Mapping):
+        raise MissingInput(f"feeds= takes a dict {{root_id: value}}, not a "
+                           f"{type(feeds).__name__}; the graph's roots are {list(graph.roots)}")
     inputs = {r: (feeds[r] if r in feeds else _missing_feed(r, feeds)) for r in graph.roots} \
         if feeds is not None else {r: input for r in graph.roots}
     sinks = graph.sinks
-    out = walk(graph, graph.plan.order, inputs=inputs, keeper=keeper, naming=naming,
-               training=training, remote=remote, wanted=sinks)
+    out = walk(graph, graph.plan.order, inputs=inputs, keeper=keeper,
+               naming=naming(graph, keeper, remote), training=training, remote=remote,
+               wanted=sinks)
     return output(graph, out.values, sinks)
 
 

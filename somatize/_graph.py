@@ -13,8 +13,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from . import _holes
 from ._errors import GraphError
 from ._node import Expr, Node, Par, Seq, as_expr, kind_of
+from ._plan import plan
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,7 @@ class Graph:
         self.preds: Mapping[str, tuple[str, ...]] = MappingProxyType(
             {n: tuple(ps) for n, ps in preds.items()}
         )
-        from ._plan import plan
-
         self.plan = plan(self)
-        self._runtime = None  # the workers this graph started, if any (see somatize.remote)
 
     # -- building ---------------------------------------------------------------
     @classmethod
@@ -144,15 +143,11 @@ class Graph:
 
     def provision(self, workers: Any = None) -> None:
         """Send the whole graph's catalog to its workers (starting local ones if needed)."""
-        from .remote import runtime_for
-
-        runtime_for(self, workers).provision(self)
+        _holes.transport().runtime_for(self, workers).provision(self)
 
     def close(self) -> None:
-        """Stop the worker processes this graph started (idempotent)."""
-        if self._runtime is not None:
-            self._runtime.close()
-            self._runtime = None
+        """Stop the worker processes this graph's runs started (idempotent)."""
+        _holes.transport().release(self)
 
     def __enter__(self) -> Graph:
         return self
@@ -174,7 +169,6 @@ class Graph:
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_runtime"] = None
         state["catalog"] = dict(self.catalog)
         state["preds"] = dict(self.preds)
         return state
@@ -186,12 +180,15 @@ class Graph:
 
 
 def _collect(expr: Any, leaves: list, seen: set[int]) -> None:
-    if isinstance(expr, (Seq, Par)):
-        for item in expr.items:
-            _collect(item, leaves, seen)
-    elif id(expr) not in seen:  # the same node object twice is one node
-        seen.add(id(expr))
-        leaves.append(expr)
+    # by hand, not by recursion: a composition nested thousands deep is legitimate
+    todo = [expr]
+    while todo:
+        e = todo.pop()
+        if isinstance(e, (Seq, Par)):
+            todo.extend(reversed(e.items))
+        elif id(e) not in seen:  # the same node object twice is one node
+            seen.add(id(e))
+            leaves.append(e)
 
 
 _ID = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
@@ -234,21 +231,31 @@ def _assign_ids(leaves: list) -> dict[int, str]:
 
 
 def _wire(expr: Any, ids: dict[int, str], edges: list) -> tuple[list[str], list[str]]:
-    """Add the edges of ``expr``; return its (sources, sinks)."""
-    if isinstance(expr, Seq):
-        first_sources, sinks = _wire(expr.items[0], ids, edges)
-        for item in expr.items[1:]:
-            sources, next_sinks = _wire(item, ids, edges)
-            edges.extend((p, c) for p in sinks for c in sources)
-            sinks = next_sinks
-        return first_sources, sinks
-    if isinstance(expr, Par):
-        sources: list[str] = []
-        sinks = []
-        for item in expr.items:
-            s, t = _wire(item, ids, edges)
-            sources += [x for x in s if x not in sources]
-            sinks += [x for x in t if x not in sinks]
-        return sources, sinks
-    me = ids[id(expr)]
-    return [me], [me]
+    """Add the edges of ``expr``; return its (sources, sinks). Walked by hand (post-order),
+    not by recursion, so that depth is no limit."""
+    done: dict[int, tuple[list[str], list[str]]] = {}
+    todo: list[tuple[Any, bool]] = [(expr, False)]
+    while todo:
+        e, ready = todo.pop()
+        if id(e) in done and not isinstance(e, (Seq, Par)):
+            continue
+        if not isinstance(e, (Seq, Par)):
+            done[id(e)] = ([ids[id(e)]], [ids[id(e)]])
+        elif not ready:
+            todo.append((e, True))
+            todo.extend((i, False) for i in reversed(e.items))
+        elif isinstance(e, Seq):
+            sources, sinks = done[id(e.items[0])]
+            for item in e.items[1:]:
+                s, t = done[id(item)]
+                edges.extend((p, c) for p in sinks for c in s)
+                sinks = t
+            done[id(e)] = (sources, sinks)
+        else:
+            sources, sinks = [], []
+            for item in e.items:
+                s, t = done[id(item)]
+                sources += [x for x in s if x not in sources]
+                sinks += [x for x in t if x not in sinks]
+            done[id(e)] = (sources, sinks)
+    return done[id(expr)]

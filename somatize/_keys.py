@@ -21,6 +21,7 @@ from typing import Any
 
 from blake3 import blake3
 
+from ._say import say_once
 from ._values import Opaque, codec_for
 
 _LEN = struct.Struct("<Q")
@@ -41,11 +42,17 @@ def digest(pieces: Iterable[bytes | str]) -> str:
 
 
 def key_of_input(value: Any) -> str | None:
-    """The key of a root's input, by content; None when part of it has no codec."""
+    """The key of a root's input, by content; None when part of it has no codec, or a
+    codec that cannot turn it into bytes (said once: nothing below it is kept)."""
     h = blake3()
     try:
         _feed(h, value)
-    except _Unnamed:
+    except _Unnamed as e:
+        if len(e.args) > 1:  # its codec refused it; no codec at all is said by the caller
+            kind, why = e.args
+            say_once(("input codec failed", kind, why),
+                     f"an input holds a {kind} its codec cannot turn into bytes ({why}): "
+                     "nothing computed from it is named, so nothing is kept; the run goes on")
         return None
     return digest(["input", h.hexdigest()])
 
@@ -90,9 +97,14 @@ def _feed(h, value: Any) -> None:
         c = codec_for(value)
         if c is None:
             raise _Unnamed(type(value).__name__)
-        blob = c.dump(value)
-        _piece(h, b"o", json.dumps([c.kind, blob.dtype, list(blob.shape)]).encode())
-        _piece(h, b"r", blob.data)
+        try:
+            blob = c.dump(value)
+            head = json.dumps([c.kind, blob.dtype, list(blob.shape)]).encode()
+            raw = memoryview(blob.data).cast("B")
+        except Exception as e:  # a codec refusing a value (complex128, sparse) is no crash
+            raise _Unnamed(type(value).__qualname__, f"{type(e).__name__}: {e}") from None
+        _piece(h, b"o", head)
+        _piece(h, b"r", raw)
 
 
 def _piece(h, tag: bytes, data) -> None:

@@ -1,55 +1,63 @@
 """The learning hole: what trains a node where it runs, and the envelope a gradient
-travels in. No torch here: ``somatize.torch.Split`` fills the hole with tensors.
+rides in. No torch here: ``somatize.torch.Split`` fills the hole with tensors.
 
-A trainer stands in two positions around the node it trains — ``body:in`` before
-it, ``body`` after it — and both positions are the same object:
+A trainer stands in two positions around the node it trains — ``Position("body", "in")``
+before it, ``body`` after it — and both positions are the same object:
 
-    ... -> body:in -> body:computes -> body -> ...
-           enter(x)   the user's node  leave(y); later learn(dL/dy) -> dL/dx
+    ... -> (body, in) -> (body, computes) -> body -> ...
+           enter(x)      the user's node      leave(y); later learn(dL/dy) -> dL/dx
 
     class Greedy(Learning):
         def leave(self, y, ctx): ...           # train on a local loss, here and now
         def learn(self, signal, ctx): return None   # nothing goes back upstream
 
-Reaching a trainer is a forward like any other: the value handed to it is an
-``Envelope`` (told apart from an input by its type, one check), so a worker runs
-it without knowing that training exists.
+Reaching a trainer in the forward is a forward like any other. Its ``learn`` is
+reached by the transport's generic call (``somatize.torch``'s step driver), so a
+worker runs both without knowing that training exists. A gradient deferred to the
+next step rides with that step's input in an ``Envelope``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from ._node import Ctx
-from ._values import Opaque, codec_for
+from ._values import Done, Opaque, codec_for
 
-IN = ":in"  # the position before the node; the one after it keeps the node's own id
-COMPUTES = ":computes"  # where the user's node runs once a trainer stands around it
+IN = "in"  # the position before the node; the one after it keeps the node's own id
+COMPUTES = "computes"  # where the user's node runs once a trainer stands around it
+
+
+class Position(NamedTuple):
+    """An id of the graph a training run sees that is not a user's node: where a trained
+    node's trainer stands before it (``at="in"``), or where the node itself runs."""
+
+    node: str
+    at: str
+
+    def __repr__(self) -> str:
+        return f"{self.node}:{self.at}"
 
 
 class Envelope:
-    """A gradient on its way to a trainer; ``signal`` None says "no gradient for you".
+    """A gradient owed to a trainer from the last step (``signal``; None: "no gradient
+    for you"), delivered with this step's input ``then``: one round trip, not two."""
 
-    ``then`` is an input carried in the same message (a gradient owed from the last
-    step, delivered with the next step's input: one round trip instead of two).
-    """
+    __slots__ = ("signal", "then")
 
-    __slots__ = ("signal", "then", "carries")
-
-    def __init__(self, signal: Any = None, *, then: Any = None, carries: bool = False):
+    def __init__(self, signal: Any, then: Any):
         self.signal = signal
         self.then = then
-        self.carries = carries or then is not None
 
     def __getstate__(self):
-        return (self.signal, self.then, self.carries)
+        return (self.signal, self.then)
 
     def __setstate__(self, state):
-        self.signal, self.then, self.carries = state
+        self.signal, self.then = state
 
     def __repr__(self) -> str:
         what = "nothing" if self.signal is None else type(self.signal).__name__
-        return f"Envelope({what}{', then an input' if self.carries else ''})"
+        return f"Envelope({what}, then an input)"
 
 
 def is_envelope(value: Any) -> bool:
@@ -95,18 +103,13 @@ class Learning:
 
     # -- standing in the graph: both positions call this one method ------------------
     def forward(self, x: Any, ctx: Ctx):
-        from ._values import Done
-
-        trained, _, position = ctx.node.partition(":")
-        at = Ctx(trained, ctx.host, ctx.training)  # the hooks see the trained node's id
-        if type(x) is Envelope:
-            if position:  # node:in: the last step's gradient rides with this step's input
+        if type(ctx.node) is Position:  # before the node
+            at = Ctx(ctx.node.node, ctx.host, ctx.training)  # the hooks see the node's id
+            if type(x) is Envelope:  # the last step's gradient rides with this step's input
                 self.learn(x.signal, at)  # dL/dx of a root goes nowhere: dropped
-                return Done(_marked(self.enter(x.then, at)))
-            return Done(Envelope(self.learn(x.signal, at)))
-        if position:
+                x = x.then
             return Done(_marked(self.enter(x, at)))
-        return Done(_marked(self.leave(x, at)))
+        return Done(_marked(self.leave(x, ctx)))
 
 
 def _marked(value: Any) -> Any:
@@ -114,16 +117,16 @@ def _marked(value: Any) -> Any:
     return Opaque(value) if codec_for(value) is not None else value
 
 
-def position_of(aug_id: str) -> str:
-    """The user's node id an id of the trained graph stands for (``body:in`` -> ``body``)."""
-    return aug_id.partition(":")[0]
+def node_of(n: Any) -> str:
+    """The user's node an id of the trained graph stands for (``(body, in)`` -> ``body``)."""
+    return n.node if type(n) is Position else n
 
 
 def around(graph, trains) -> Any:
     """The graph as a training run sees it: each trainer in two positions around its node.
 
-    ``body`` becomes ``body:in -> body:computes -> body``; the id ``body`` stays with
-    the last position, so fan-in dicts downstream are keyed as they always were, and
+    ``body`` becomes ``(body, in) -> (body, computes) -> body``; the id ``body`` stays
+    with the last position, so fan-in dicts downstream are keyed as they always were, and
     the node itself still sees ``ctx.node == "body"``.
     """
     from ._graph import Graph, Placement
@@ -139,14 +142,15 @@ def around(graph, trains) -> Any:
         else:
             trainer = trains[n]
             trainer.node = node
-            catalog[n + IN] = trainer
-            catalog[n + COMPUTES] = node
+            before, inside = Position(n, IN), Position(n, COMPUTES)
+            catalog[before] = trainer
+            catalog[inside] = node
             catalog[n] = trainer
-            ids = (n + IN, n + COMPUTES, n)
-            edges += [(n + IN, n + COMPUTES), (n + COMPUTES, n)]
+            ids = (before, inside, n)
+            edges += [(before, inside), (inside, n)]
         if host is not None:
             hosts.update(dict.fromkeys(ids, host))
     for p, c in graph.edges:
-        edges.append((p, c + IN if c in trains else c))
+        edges.append((p, Position(c, IN) if c in trains else c))
     return Graph(catalog, edges, Placement(hosts), graph.memory,
-                 reports={n + COMPUTES: n for n in trains})
+                 reports={Position(n, COMPUTES): n for n in trains})

@@ -11,11 +11,11 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Any
 
 from ._errors import GraphError
+from ._holes import adapted
 
 
 @dataclass(frozen=True)
@@ -56,6 +56,10 @@ class Node:
 
     def cached(self, salt: str | None = None) -> Node:
         """Keep this node's output in the store; ``salt`` names what the key cannot see."""
+        if salt is not None and not isinstance(salt, str):
+            raise GraphError(
+                f"{kind_of(self)}.cached(salt={salt!r}): a salt is a string that goes into the "
+                "key (what the key cannot see, e.g. salt='a100-fp16'), or None")
         self._soma_cached = True
         self._soma_salt = salt
         return self
@@ -116,14 +120,13 @@ class Par(Expr):
 
 
 def as_expr(obj: Any) -> Node | Expr:
-    """A node or an expression; an ``nn.Module`` is wrapped by ``somatize.torch.node``."""
+    """A node or an expression; anything else as a registered adapter makes it a node
+    (an ``nn.Module`` by ``somatize.torch.node``)."""
     if isinstance(obj, (Node, Expr)):
         return obj
-    torch = sys.modules.get("torch")  # only ever wrap a module if torch is already loaded
-    if torch is not None and isinstance(obj, torch.nn.Module):
-        from .torch import node
-
-        return node(obj)
+    got = adapted(obj)
+    if got is not None:
+        return got
     raise GraphError(
         f"cannot compose {type(obj).__name__!r} into a graph: it is not a Node. "
         "Subclass somatize.Node and define forward(self, x, ctx) -> Done(value), "

@@ -5,15 +5,29 @@ tensors; the nested structure around them (dicts, lists, tuples, numbers, string
 None, bytes) is JSON in the header's ``__metadata__``. Reading never unpickles.
 
     header, buffers = pack({"emb": t, "n": 3})    # bytes, then memoryviews (no copy)
-    value = unpack(memoryview(file_bytes))         # {"emb": tensor, "n": 3}
+    buf = aligned(len(file_bytes)); buf[:] = file_bytes
+    value = unpack(buf)                            # {"emb": tensor, "n": 3}
 
 The layout is the safetensors one: an 8-byte little-endian header length, the JSON
-header (padded with spaces to 8 bytes), then the tensors' bytes back to back.
-Tensors are laid out widest dtype first, so each one starts aligned to its item size.
+header (padded with spaces), then the tensors' bytes back to back. Every tensor starts
+at a multiple of 64 bytes from the start of the file: the header is padded so the data
+starts there, and padding entries of their own (``__pad_<i>__``, U8, never read) fill
+the gaps, since safetensors allows none. Read from a buffer that starts 64-aligned (an
+mmap, :func:`aligned`), every tensor is then 64-aligned in memory, which matters: the
+CPU matrix kernels round an unaligned float32 input differently in the last bit, so a
+value read back would change the numbers computed from it.
+
+``unpack`` trusts nothing it reads (a store may be shared): it checks what the
+safetensors library checks (header length, UTF-8 JSON, known dtypes, shapes of
+non-negative ints, offsets covering exactly shape x item size, back to back, ending at
+the end of the buffer) and the structure (known tags, references to real entries,
+nesting at most 64 deep). Anything else raises :class:`Damaged`; a codec this process
+lacks raises :class:`Unpackable`. No other exception leaves it.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import struct
@@ -22,9 +36,15 @@ from typing import Any
 from ._values import Blob, Opaque, codec_for, codec_named
 
 FORMAT = "somatize/1"  # the key in __metadata__ that holds the structure
+ALIGN = 64  # every tensor starts at a multiple of this, from the start of the file
+MAX_DEPTH = 64  # containers nested deeper than this are neither packed nor read
+_MAX_HEADER = 100_000_000  # the safetensors library's own limit
 _LEN = struct.Struct("<Q")
-_WIDTH = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4,
-          "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
+# the dtypes a file may hold, and their item sizes (safetensors' byte-sized ones)
+SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+         "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+         "C64": 8}
+_ZEROS = memoryview(bytes(ALIGN))
 
 
 class Unpackable(Exception):
@@ -36,53 +56,66 @@ class Unpackable(Exception):
 
 
 class Damaged(Exception):
-    """The bytes are not a packed value (bad header, bad offsets, unknown codec)."""
+    """The bytes are not a packed value (bad header, bad offsets, unknown tag...)."""
 
+
+def aligned(n: int) -> memoryview:
+    """A writable, zeroed buffer of ``n`` bytes that starts at a multiple of 64."""
+    raw = bytearray(n + ALIGN)
+    skip = -address(raw) % ALIGN
+    return memoryview(raw)[skip:skip + n]  # the slice keeps ``raw`` alive
+
+
+def address(buf: Any) -> int:
+    """Where a writable, non-empty buffer starts in memory."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+
+
+# -- writing --
 
 def pack(value: Any) -> tuple[bytes, list[memoryview]]:
-    """The header bytes (length prefix included) and the tensors' buffers, in order."""
-    blobs: list[tuple[str, Blob]] = []
-    structure = _encode(value, blobs)
-    order = sorted(range(len(blobs)), key=lambda i: -_WIDTH.get(blobs[i][1].dtype, 1))
-    header: dict[str, Any] = {"__metadata__": {FORMAT: json.dumps(structure)}}
+    """The header bytes (length prefix included) and the tensors' buffers, in order.
+
+    Raises ``Unpackable`` for an object no codec knows, ``ValueError`` for a value that
+    could not be read back (nested too deep, a codec answering bytes that do not fit).
+    """
+    blobs: list[Blob] = []
+    structure = _encode(value, blobs, 0)
+    header: dict[str, Any] = {"__metadata__": {
+        FORMAT: json.dumps(structure, separators=(",", ":"))}}
     buffers: list[memoryview] = []
     offset = 0
-    for i in order:
-        kind, blob = blobs[i]
-        mv = memoryview(blob.data).cast("B") if len(memoryview(blob.data)) else memoryview(b"")
+    for i, blob in enumerate(blobs):
+        mv = _bytes_of(blob)
+        gap = -offset % ALIGN
+        if gap and mv.nbytes:
+            header[f"__pad_{i}__"] = {"dtype": "U8", "shape": [gap],
+                                      "data_offsets": [offset, offset + gap]}
+            buffers.append(_ZEROS[:gap])
+            offset += gap
         header[str(i)] = {"dtype": blob.dtype, "shape": list(blob.shape),
                           "data_offsets": [offset, offset + mv.nbytes]}
-        offset += mv.nbytes
         buffers.append(mv)
+        offset += mv.nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors does
+    text += b" " * (-(_LEN.size + len(text)) % ALIGN)  # the data starts 64-aligned
     return _LEN.pack(len(text)) + text, buffers
 
 
-def unpack(buf: memoryview) -> Any:
-    """The value packed in ``buf``; tensors share ``buf`` (hand in a private, writable one)."""
-    buf = buf.cast("B") if buf.format != "B" else buf
-    try:
-        (n,) = _LEN.unpack_from(buf, 0)
-        if n > len(buf) - 8:
-            raise Damaged(f"header of {n} bytes in a file of {len(buf)}")
-        header = json.loads(bytes(buf[8:8 + n]))
-        structure = json.loads(header["__metadata__"][FORMAT])
-        data = buf[8 + n:]
-        ends = []
-        for name, t in header.items():
-            if name != "__metadata__":
-                ends.append(t["data_offsets"][1])
-        if max(ends, default=0) != len(data):
-            raise Damaged(f"tensors end at {max(ends, default=0)}, data is {len(data)} bytes")
-        return _decode(structure, header, data)
-    except (ValueError, KeyError, TypeError, IndexError, struct.error) as e:
-        raise Damaged(f"{type(e).__name__}: {e}") from None
+def _bytes_of(blob: Blob) -> memoryview:
+    mv = memoryview(blob.data)
+    mv = mv.cast("B") if mv.nbytes and (mv.format != "B" or mv.ndim != 1) else mv
+    if blob.dtype not in SIZES:
+        raise ValueError(f"dtype {blob.dtype!r} is not one a safetensors file can hold")
+    if math.prod(blob.shape) * SIZES[blob.dtype] != mv.nbytes:
+        raise ValueError(f"a {blob.dtype} of shape {list(blob.shape)} came with "
+                         f"{mv.nbytes} bytes (its codec's dump is wrong)")
+    return mv if mv.nbytes else memoryview(b"")
 
 
-# -- the structure: scalars as JSON, containers and objects tagged --
-
-def _encode(value: Any, blobs: list) -> Any:
+def _encode(value: Any, blobs: list, depth: int) -> Any:
+    if depth > MAX_DEPTH:
+        raise ValueError(f"containers nested more than {MAX_DEPTH} deep cannot be kept")
     if isinstance(value, Opaque):
         value = value.value
     if value is None or isinstance(value, (bool, str)):
@@ -92,46 +125,141 @@ def _encode(value: Any, blobs: list) -> Any:
     if isinstance(value, float):
         return {"f": repr(value)} if not math.isfinite(value) else value
     if isinstance(value, (list, tuple)):
-        return {"l" if isinstance(value, list) else "t": [_encode(v, blobs) for v in value]}
+        return {"l" if isinstance(value, list) else "t":
+                [_encode(v, blobs, depth + 1) for v in value]}
     if isinstance(value, dict):
-        return {"d": [[_encode(k, blobs), _encode(v, blobs)] for k, v in value.items()]}
+        return {"d": [[_encode(k, blobs, depth + 1), _encode(v, blobs, depth + 1)]
+                      for k, v in value.items()]}
     if isinstance(value, (bytes, bytearray)):
-        blobs.append(("bytes", Blob("U8", (len(value),), value)))
+        blobs.append(Blob("U8", (len(value),), value))
         return {"b": str(len(blobs) - 1)}
     c = codec_for(value)
     if c is None:
         raise Unpackable(type(value).__qualname__)
-    blobs.append((c.kind, c.dump(value)))
+    blobs.append(c.dump(value))
     return {"o": c.kind, "at": str(len(blobs) - 1)}
 
 
-def _decode(s: Any, header: dict, data: memoryview) -> Any:
-    if s is None or isinstance(s, (bool, str, int, float)):
-        return s
-    tag = next(k for k in s if k != "at")
-    if tag == "i":
-        return int(s["i"])
-    if tag == "f":
-        return float(s["f"])
-    if tag == "l":
-        return [_decode(v, header, data) for v in s["l"]]
-    if tag == "t":
-        return tuple(_decode(v, header, data) for v in s["t"])
-    if tag == "d":
-        return {_decode(k, header, data): _decode(v, header, data) for k, v in s["d"]}
-    if tag == "b":
-        return bytes(_slice(header[s["b"]], data))
-    if tag == "o":
-        c = codec_named(s["o"])
+# -- reading --
+
+def unpack(buf: Any) -> Any:
+    """The value packed in ``buf``; tensors share ``buf`` (hand in a private, writable one,
+    64-aligned for aligned tensors: :func:`aligned`, or an mmap)."""
+    return _read(buf, strict=True)
+
+
+def check(buf: Any) -> None:
+    """Raise ``Damaged`` unless ``buf`` holds a packed value; objects whose codec this
+    process lacks are not read (that is no damage)."""
+    _read(buf, strict=False)
+
+
+def _read(buf: Any, strict: bool) -> Any:
+    buf = memoryview(buf)
+    buf = buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+    try:
+        entries, structure, data = _read_header(buf)
+        return _Reader(entries, data, strict).decode(structure, 0)
+    except (ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as e:
+        raise Damaged(f"{type(e).__name__}: {str(e)[:200]}") from None
+
+
+def _read_header(buf: memoryview) -> tuple[dict, Any, memoryview]:
+    if len(buf) < _LEN.size:
+        raise Damaged(f"{len(buf)} bytes: too short for the 8-byte header length")
+    (n,) = _LEN.unpack_from(buf, 0)
+    if n > min(_MAX_HEADER, len(buf) - _LEN.size):
+        raise Damaged(f"a header of {n} bytes in a file of {len(buf)}")
+    text = bytes(buf[_LEN.size:_LEN.size + n]).decode("utf-8")
+    if not text.startswith("{"):
+        raise Damaged("the header is not a JSON object")
+    header = json.loads(text)  # a key twice: the last one wins, the first leaves a gap
+    meta = header.pop("__metadata__", None)
+    if not isinstance(meta, dict) or not all(
+            type(k) is str and type(v) is str for k, v in meta.items()):
+        raise Damaged("__metadata__ is missing or does not map strings to strings")
+    if FORMAT not in meta:
+        raise Damaged(f"no {FORMAT!r} in __metadata__: not a value somatize packed")
+    data = buf[_LEN.size + n:]
+    entries = {name: _entry(name, t) for name, t in header.items()}
+    end = 0
+    for name, (_, _, start, stop) in sorted(entries.items(), key=lambda e: e[1][2:]):
+        if start != end:  # back to back: a gap or an overlap is not safetensors
+            raise Damaged(f"tensor {name!r} starts at {start}, the one before ends at {end}")
+        end = stop
+    if end != len(data):
+        raise Damaged(f"tensors end at {end}, the data is {len(data)} bytes")
+    return entries, json.loads(meta[FORMAT]), data
+
+
+def _entry(name: str, t: Any) -> tuple[str, tuple[int, ...], int, int]:
+    # plain loops, no generators: this runs for every tensor of every read
+    if type(t) is not dict or len(t) != 3:
+        raise Damaged(f"tensor {name!r}: not {{dtype, shape, data_offsets}}")
+    dtype, shape, offsets = t.get("dtype"), t.get("shape"), t.get("data_offsets")
+    nbytes = SIZES.get(dtype) if type(dtype) is str else None
+    if nbytes is None:
+        raise Damaged(f"tensor {name!r}: unknown dtype {str(dtype)[:20]!r}")
+    if type(shape) is not list:
+        raise Damaged(f"tensor {name!r}: shape {str(shape)[:40]} is not a list of sizes")
+    for d in shape:
+        if type(d) is not int or d < 0:
+            raise Damaged(f"tensor {name!r}: shape {str(shape)[:40]} is not a list of sizes")
+        nbytes *= d
+    if type(offsets) is not list or len(offsets) != 2 or type(offsets[0]) is not int or type(
+            offsets[1]) is not int or offsets[0] < 0:
+        raise Damaged(f"tensor {name!r}: data_offsets {str(offsets)[:40]} is not [start, end]")
+    start, stop = offsets
+    if stop - start != nbytes:
+        raise Damaged(f"tensor {name!r}: {dtype} {shape} needs {nbytes} bytes, its offsets "
+                      f"give {stop - start}")
+    return dtype, tuple(shape), start, stop
+
+
+class _Reader:
+    """Turns the structure back into a value, over the checked entries and their bytes."""
+
+    def __init__(self, entries: dict, data: memoryview, strict: bool):
+        self.entries, self.data, self.strict = entries, data, strict
+
+    def decode(self, s: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise Damaged(f"the structure is nested more than {MAX_DEPTH} deep")
+        if s is None or isinstance(s, (bool, str, int, float)):
+            return s
+        if not isinstance(s, dict):
+            raise Damaged(f"a JSON {type(s).__name__} where a tagged value belongs")
+        tag, v = next(iter(s.items())) if len(s) == 1 else ("o", s.get("o"))
+        if tag == "i" and type(v) is str:
+            return int(v)
+        if tag == "f" and type(v) is str:
+            return float(v)
+        if tag in ("l", "t") and type(v) is list:
+            items = [self.decode(x, depth + 1) for x in v]
+            return items if tag == "l" else tuple(items)
+        if tag == "d" and type(v) is list and all(type(p) is list and len(p) == 2 for p in v):
+            return {self.decode(k, depth + 1): self.decode(x, depth + 1) for k, x in v}
+        if tag == "b" and type(v) is str:
+            return bytes(self.bytes_at(v)[1])
+        if len(s) == 2 and type(v) is str and type(s.get("at")) is str:
+            return self.load(v, s["at"])
+        raise Damaged(f"an unknown or malformed tag: {json.dumps(s)[:60]}")
+
+    def load(self, kind: str, at: str) -> Any:
+        (dtype, shape), raw = self.bytes_at(at)
+        c = codec_named(kind)
         if c is None:
-            raise Unpackable(s["o"])
-        t = header[s["at"]]
-        return c.load(Blob(t["dtype"], tuple(t["shape"]), _slice(t, data)))
-    raise Damaged(f"unknown tag {tag!r}")
+            if self.strict:
+                raise Unpackable(kind)
+            return None
+        try:
+            return c.load(Blob(dtype, shape, raw))
+        except Exception as e:  # the bytes fit the header: a codec refusing them is damage
+            raise Damaged(f"the {kind!r} codec cannot read tensor {at!r} "
+                          f"({type(e).__name__}: {str(e)[:200]})") from None
 
-
-def _slice(t: dict, data: memoryview) -> memoryview:
-    start, end = t["data_offsets"]
-    if not 0 <= start <= end <= len(data):
-        raise Damaged(f"tensor bytes {start}..{end} outside {len(data)}")
-    return data[start:end]
+    def bytes_at(self, name: str) -> tuple[tuple[str, tuple[int, ...]], memoryview]:
+        if name not in self.entries:
+            raise Damaged(f"the structure refers to tensor {name[:20]!r}, which is not there")
+        dtype, shape, start, stop = self.entries[name]
+        return (dtype, shape), self.data[start:stop]

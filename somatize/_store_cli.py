@@ -2,7 +2,7 @@
 
     somatize store ls /scratch/soma [PREFIX]   # names, node, class, fingerprint, size
     somatize store du /scratch/soma            # blobs, names, bytes, what gc would free
-    somatize store verify /scratch/soma        # exit 1 when a blob is damaged
+    somatize store verify /scratch/soma        # exit 1 when a blob or a name is damaged
     somatize store gc /scratch/soma [--dry-run]
 """
 
@@ -49,19 +49,40 @@ def _du(store: Store) -> int:
 
 def _verify(store: Store) -> int:
     bad = 0
-    by_blob: dict[str, list[str]] = {}
-    for e in store.entries():
-        by_blob.setdefault(e.blob, []).append(e.name)
+    by_blob: dict[str, list] = {}
+    for name in store.names():
+        why = store.check_entry(name)
+        if why is not None:
+            bad += 1
+            print(f"damaged: name file {store.name_path(name)}: {why}. Delete it (its value "
+                  "is recomputed and named again)", file=sys.stderr)
+            continue
+        e = store.entry(name)
+        if e is not None:
+            by_blob.setdefault(e.blob, []).append(e)
     on_disk = dict(store.blobs())
     for blob in sorted(set(on_disk) | set(by_blob)):
+        named = by_blob.get(blob, [])
         why = store.check_blob(blob)
-        if why is None:
-            continue
-        bad += 1
-        names = ", ".join(by_blob.get(blob, [])) or "no name"
-        print(f"damaged: blob {blob[:16]} ({names}): {why}. Delete "
-              f"{store.blob_path(blob)} (its values are recomputed and kept again)",
-              file=sys.stderr)
+        if why == "missing":
+            bad += len(named)
+            for e in named:
+                print(f"missing: {e.name} points at blob {blob[:16]}, which is gone. Delete "
+                      f"the name file {store.name_path(e.name)} (its value is recomputed and "
+                      "kept again)", file=sys.stderr)
+        elif why is not None:
+            bad += 1
+            names = ", ".join(e.name for e in named) or "no name"
+            print(f"damaged: blob {blob[:16]} ({names}): {why}. Delete "
+                  f"{store.blob_path(blob)} (its values are recomputed and kept again)",
+                  file=sys.stderr)
+        else:
+            for e in named:
+                if e.size != on_disk[blob]:
+                    bad += 1
+                    print(f"damaged: name file {store.name_path(e.name)}: it says {e.size} "
+                          f"bytes, blob {blob[:16]} has {on_disk[blob]}. Delete it (its value "
+                          "is recomputed and named again)", file=sys.stderr)
     print(f"{store.path}: {len(on_disk)} blobs, {sum(map(len, by_blob.values()))} names, "
           f"{bad} damaged")
     return 1 if bad else 0
@@ -95,10 +116,19 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     store = Store(path)
-    if args.cmd == "ls":
-        return _ls(store, args.prefix)
-    if args.cmd == "du":
-        return _du(store)
-    if args.cmd == "verify":
-        return _verify(store)
-    return _gc(store, args.dry_run)
+    try:
+        if args.cmd == "ls":
+            return _ls(store, args.prefix)
+        if args.cmd == "du":
+            return _du(store)
+        if args.cmd == "verify":
+            return _verify(store)
+        return _gc(store, args.dry_run)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        fix = ("; run it where the store is writable (or try --dry-run)" if args.cmd == "gc"
+               else "; check the store's permissions")
+        print(f"somatize store {args.cmd}: the store at {path} cannot be "
+              f"{'cleaned' if args.cmd == 'gc' else 'read'}: {e.strerror or e}{where}{fix}",
+              file=sys.stderr)
+        return 1

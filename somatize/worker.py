@@ -64,11 +64,12 @@ def _serve_run(conn: socket.socket, peer, host: str, store: str | None, children
         _keep_alive(conn, keepalive)
         if store is not None:
             argv += ["--store", store]
-        from .remote._group import _loopback_iface, serving_env
+        from .remote._settings import loopback_iface
+        from .remote._spawn import serving_env
 
         env = serving_env(dict(os.environ))  # only a process we start can have them
         if _loopback(host) and "TP_SOCKET_IFNAME" not in env:  # listen where we were told
-            env["TP_SOCKET_IFNAME"] = _loopback_iface()
+            env["TP_SOCKET_IFNAME"] = loopback_iface()
         proc = subprocess.Popen([sys.executable, "-m", "somatize.remote", *argv],
                                 stdin=subprocess.PIPE, env=env)
         children.add(proc)

@@ -56,17 +56,16 @@ class Where(pl.Callback):
         self.start = pl_module.net.nodes["body"].lin.weight.detach().clone()
         self.moved_here = False
         self.held = sum(len(g["params"]) for o in trainer.optimizers for g in o.param_groups)
-        self.worker_pid = None
+        self.body_pids = None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.moved_here |= not torch.equal(pl_module.net.nodes["body"].lin.weight, self.start)
-        runs = getattr(trainer.strategy, "runs", {})
-        if "net" in runs:
-            self.worker_pid = runs["net"].runtime.call("worker", lambda live: os.getpid())
+        if hasattr(trainer.strategy, "where"):  # the processes that ran the body, by count
+            self.body_pids = sorted(trainer.strategy.where()["net"]["body"])
 
     def evidence(self):
         return {"moved_here": self.moved_here, "held": self.held,
-                "worker_pid": self.worker_pid, "pid": os.getpid()}
+                "body_pids": self.body_pids, "pid": os.getpid()}
 
 
 def oracle(out, accumulate):
@@ -211,6 +210,27 @@ def worker_keeps(out, store):
     torch.save({"counts": counted.counts}, out)
 
 
+def hashes(out, store):
+    """How many hashes a split fit computes with a store attached: nothing cached, then
+    the body frozen and cached (the control)."""
+    import somatize._keys as keys
+    from somatize.lightning import SomatizeCache
+
+    real, counts = keys.blake3, []
+
+    def counted(*a, **kw):
+        counts[-1] += 1
+        return real(*a, **kw)
+
+    keys.blake3 = counted
+    for cached in (False, True):
+        counts.append(0)
+        model = DigitsModel(lr=0.5, frozen=cached, cached=cached)
+        fit(SomatizeStrategy(), steps=6, model=model,
+            callbacks=[SomatizeCache(os.path.join(store, str(cached)))])
+    torch.save(counts, out)
+
+
 if __name__ == "__main__":
-    {"oracle": oracle, "resume": resume, "all_remote": all_remote, "kill": kill,
+    {"hashes": hashes, "oracle": oracle, "resume": resume, "all_remote": all_remote, "kill": kill,
      "standing": standing, "worker_keeps": worker_keeps}[sys.argv[1]](*sys.argv[2:])

@@ -3,6 +3,9 @@
     python tests/store_writer.py put DIR NAME SEED SIZE [--kill-at STEP]
     python tests/store_writer.py put DIR NAME SEED SIZE --pause-at STEP READY GO
     python tests/store_writer.py many DIR PREFIX COUNT SIZE
+
+``--kill-at`` and ``--pause-at`` use a Store whose ``_step`` (called at each step of a
+write, a no-op in the library) SIGKILLs this process or waits there.
 """
 
 import os
@@ -12,7 +15,6 @@ import sys
 import time
 from pathlib import Path
 
-from somatize import store as store_module
 from somatize.store import Store
 
 
@@ -21,37 +23,46 @@ def value(seed: int, size: int) -> dict:
     return {"data": random.Random(seed).randbytes(size), "seed": seed, "tags": ["a", (1, None)]}
 
 
-def _kill_at(step: str):
-    def hook(what: str) -> None:
-        if what == step:
+class KilledAt(Store):
+    """A store whose writer dies (SIGKILL: no cleanup runs) at one step of a write."""
+
+    def __init__(self, path: str, step: str):
+        super().__init__(path)
+        self.step = step
+
+    def _step(self, what: str) -> None:
+        if what == self.step:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    return hook
 
+class PausedAt(Store):
+    """A store whose writer touches READY at one step of a write, then waits for GO."""
 
-def _pause_at(step: str, ready: str, go: str):
-    def hook(what: str) -> None:
-        if what == step:
-            Path(ready).touch()
+    def __init__(self, path: str, step: str, ready: str, go: str):
+        super().__init__(path)
+        self.step, self.ready, self.go = step, Path(ready), Path(go)
+
+    def _step(self, what: str) -> None:
+        if what == self.step:
+            self.ready.touch()
             deadline = time.monotonic() + 60
-            while not Path(go).exists() and time.monotonic() < deadline:
+            while not self.go.exists() and time.monotonic() < deadline:
                 time.sleep(0.01)
-
-    return hook
 
 
 def main(argv: list[str]) -> int:
     cmd, path = argv[0], argv[1]
-    store = Store(path)
     if cmd == "put":
         name, seed, size = argv[2], int(argv[3]), int(argv[4])
+        store = Store(path)
         if "--kill-at" in argv:
-            store_module._at_step = _kill_at(argv[argv.index("--kill-at") + 1])
+            store = KilledAt(path, argv[argv.index("--kill-at") + 1])
         if "--pause-at" in argv:
             i = argv.index("--pause-at")
-            store_module._at_step = _pause_at(*argv[i + 1:i + 4])
+            store = PausedAt(path, *argv[i + 1:i + 4])
         return 0 if store.put(name, value(seed, size), meta={"seed": str(seed)}) else 1
     if cmd == "many":
+        store = Store(path)
         prefix, count, size = argv[2], int(argv[3]), int(argv[4])
         for i in range(count):
             # the same names and bytes as the other writers, and names of its own

@@ -3,6 +3,7 @@
 
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -65,9 +66,17 @@ def train(tmp_path, *overrides, timeout=240):
     return done.stdout + done.stderr
 
 
+def pid_of(out: str, node: str, where: str = "here") -> int:
+    """The process train.py says ran ``node`` (counted by the process that ran it)."""
+    found = re.search(rf"node '{node}' ran in process (\d+) \({where}\)", out)
+    assert found, out[-3000:]
+    return int(found.group(1))
+
+
 def test_python_train_py_trains_plainly(tmp_path):
     out = train(tmp_path)
-    assert "node 'body' ran here" in out and "accuracy on held-out digits" in out
+    assert f"node 'body' ran in process {pid_of(out, 'head')} (here)" in out
+    assert "accuracy on held-out digits" in out
 
 
 @pytest.mark.parametrize("option", ["split", "cached"])
@@ -75,7 +84,7 @@ def test_python_train_py_with_a_somatize_option_exits_0(tmp_path, option):
     out = train(tmp_path, f"+somatize={option}", f"somatize.store={tmp_path / 'store'}"
                 if option == "cached" else "somatize.trains.body.lr=0.05")
     if option == "split":
-        assert "node 'body' ran on worker 'worker'" in out
+        assert pid_of(out, "body", "worker 'worker'") != pid_of(out, "head")
         # and a local worker process was started for it (the control of test_torchrun's
         # "none was"): what an embedded worker logs with no OpenMP wait policy given
         if not set(EMBEDDED_SAYS_UNLESS) & set(os.environ):

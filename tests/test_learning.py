@@ -12,7 +12,7 @@ from split_nodes import Body, Head, batches, same, twins, weights
 
 import somatize
 from somatize import Ctx, Done, Graph, Node, Opaque, stages
-from somatize._learning import Envelope, around, is_envelope
+from somatize._learning import COMPUTES, IN, Envelope, Position, around, is_envelope
 from somatize.torch import Split, Trainer, parameters
 
 
@@ -22,14 +22,15 @@ def test_learning_is_the_hole_with_three_hooks_that_change_nothing_by_default():
     assert hole.enter(3, ctx) == 3 and hole.leave(4, ctx) == 4 and hole.learn(5, ctx) is None
 
 
-def test_a_gradient_is_told_apart_from_an_input_by_its_envelope_and_nothing_else():
-    g = torch.ones(2)
-    assert is_envelope(Envelope(g)) and is_envelope(Envelope(None))
-    lookalike = type("Envelope", (), {"signal": g})()  # same name, same field: not one
-    assert not any(is_envelope(v) for v in (g, {"signal": g}, lookalike, Opaque(Envelope(g))))
-    assert Envelope(None).signal is None  # "no gradient for you this step"
-    back = pickle.loads(pickle.dumps(Envelope(g, then=Opaque(g))))
-    assert is_envelope(back) and torch.equal(back.signal, g) and back.carries
+def test_a_gradient_riding_with_an_input_is_told_apart_by_its_envelope_and_nothing_else():
+    g, x = torch.ones(2), torch.zeros(3)
+    assert is_envelope(Envelope(g, x)) and is_envelope(Envelope(None, x))
+    lookalike = type("Envelope", (), {"signal": g, "then": x})()  # same name and fields
+    assert not any(is_envelope(v) for v in (g, {"signal": g}, lookalike,
+                                            Opaque(Envelope(g, x))))
+    assert Envelope(None, x).signal is None  # "no gradient for you this step"
+    back = pickle.loads(pickle.dumps(Envelope(g, Opaque(x))))
+    assert is_envelope(back) and torch.equal(back.signal, g) and torch.equal(back.then.value, x)
 
 
 def test_split_stands_in_two_positions_and_nobody_downstream_is_told():
@@ -40,7 +41,8 @@ def test_split_stands_in_two_positions_and_nobody_downstream_is_told():
     g = Graph.somatize((Body() | Head(8)) >> Both())
     trains = {"body": Split(torch.optim.SGD, lr=0.1)}
     a = around(g, trains)
-    assert a["body:in"] is a["body"] is trains["body"] and a["body:computes"] is g["body"]
+    before, inside = Position("body", IN), Position("body", COMPUTES)
+    assert a[before] is a["body"] is trains["body"] and a[inside] is g["body"]
     assert a.preds["both"] == g.preds["both"] == ("body", "head")
     assert a.forward(torch.randn(2, 8), training=True) == ["body", "head"]
     assert stages(g, trains) == [{"body", "head"}, {"both"}]  # the user's ids only
@@ -62,18 +64,17 @@ def test_a_pickled_trained_graph_keeps_one_object_in_two_positions_and_trains_af
     t = Trainer(split, F.cross_entropy, torch.optim.SGD(parameters(split, without=trains),
                                                         lr=0.1), trains=trains)
     t.step(batches(1)[0])  # the optimizer exists now, and travels with the catalog
-    live = pickle.loads(pickle.dumps(t.running))
-    assert live["body:in"] is live["body"]
-    assert live["body"].node is live["body:computes"]
-    assert live["body"].optimizer.param_groups[0]["params"][0] is live["body:computes"].lin.weight
+    live = pickle.loads(pickle.dumps(around(split, trains)))
+    before, inside = Position("body", IN), Position("body", COMPUTES)
+    assert live[before] is live["body"]
+    assert live["body"].node is live[inside]
+    assert live["body"].optimizer.param_groups[0]["params"][0] is live[inside].lin.weight
     # the rebuilt trainer learns: forward through both positions, then a gradient back
     x, _ = batches(1, seed=1)[0]
     y = live.forward(x, training=True)  # the head's output; body kept its activation
-    before = weights(live)["body:computes"]
-    out = live["body"].forward(Envelope(torch.ones(16, 6)), Ctx("body", None, True))
-    assert is_envelope(out.value) and out.value.signal is None  # a root: nothing goes back
-    after = weights(live)["body:computes"]
-    assert y.shape == (16, 3) and not same(before, after)
+    was = weights(live)[inside]
+    assert live["body"].learn(torch.ones(16, 6), Ctx("body", None, True)) is None  # a root
+    assert y.shape == (16, 3) and not same(was, weights(live)[inside])
 
 
 def test_learn_receives_dl_dy_and_gives_back_dl_dx():

@@ -52,7 +52,8 @@ def test_gradient_clipping_is_refused_at_setup_it_would_miss_the_workers_weights
 def test_trains_naming_a_node_not_there_or_one_that_runs_here_is_refused_at_setup():
     from somatize.torch import Split
 
-    with pytest.raises(Refused, match=r"trains names \['bodyy'\], not in the graph.*'body'"):
+    with pytest.raises(Refused, match=r"trains names \['bodyy'\], which are not in the graph.*"
+                                      r"'body'"):
         trainer(strategy=SomatizeStrategy(trains={"bodyy": Split(torch.optim.SGD, lr=0.1)})
                 ).fit(DigitsModel(), DigitsData(limit=64))
     with pytest.raises(Refused, match="trains names 'head', which runs here"):

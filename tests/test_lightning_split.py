@@ -38,12 +38,12 @@ def test_split_training_through_lightning_equals_one_piece_bit_for_bit(tmp_path,
     for k in plain:
         assert torch.equal(split[k], plain[k]), k
     # and the body really trained over there: its weights here never moved during fit
-    # (they are read back at the end), a worker process answered, Lightning's optimizer
+    # (they are read back at the end), another process ran it, Lightning's optimizer
     # held the head only, and the strategy said it took the body's weights out
     where = got["where"]
     assert where["plain"]["moved_here"] and where["plain"]["held"] == 4
     assert not where["split"]["moved_here"] and where["split"]["held"] == 2
-    assert where["split"]["worker_pid"] not in (None, where["split"]["pid"])
+    assert where["split"]["body_pids"] and where["split"]["pid"] not in where["split"]["body_pids"]
     assert any("node 'body' is trained on worker 'worker'" in m
                and "taken out of Lightning's optimizers" in m for m in got["said"]), got["said"]
 
@@ -114,3 +114,13 @@ def test_a_cached_body_on_a_worker_with_a_store_is_looked_up_there(tmp_path):
     assert counts[0] > 0 and counts[1] == counts[0]  # epoch 2 found every batch over there
     assert list(open_keeper(str(store)).names("value/"))  # kept over there
 
+
+
+def test_the_strategy_hashes_nothing_when_nothing_is_cached(tmp_path):
+    # a store is attached (SomatizeCache), no worker keeps: naming every input would be
+    # wasted work; the control caches the frozen body and does hash
+    out = tmp_path / "hashes.pt"
+    run("hashes", out, tmp_path / "stores")
+    nothing_cached, body_cached = torch.load(out)
+    assert nothing_cached == 0
+    assert body_cached > 0

@@ -13,9 +13,9 @@ def test_the_seeds_graph_on_an_embedded_worker_equals_one_process(tmp_path):
         here = Graph.somatize(Body() >> Head()).forward(x)
         g = Graph.somatize(Body().at("gpu") >> Head())
         y = g.forward(x)
-        pid = g._runtime.peers["gpu"].pid
+        pid = runtime_for(g).peers["gpu"].pid
         y2 = g.forward(Opaque(x))           # a second forward reuses the worker
-        assert g._runtime.peers["gpu"].pid == pid
+        assert runtime_for(g).peers["gpu"].pid == pid
         assert pid != os.getpid()
         assert torch.equal(y, here) and torch.equal(y2, here), (y, here)
         g.close(); g.close()                # idempotent
@@ -29,12 +29,12 @@ def test_the_coordinator_and_its_worker_listen_on_loopback_only(tmp_path):
         from remote_run import listening
         with Graph.somatize(Body().at("gpu") >> Head()) as g:
             g.forward(x)
-            for pid in (os.getpid(), g._runtime.peers["gpu"].pid):
+            for pid in (os.getpid(), runtime_for(g).peers["gpu"].pid):
                 print("LISTENS", pid, *listening(pid))
             # TensorPipe binds the hostname's interface unless told: here the hostname may
             # resolve to loopback anyway, so what each side told it is checked as well
             print("IFNAME", os.environ.get("TP_SOCKET_IFNAME"),
-                  g._runtime.call("gpu", lambda live: os.environ.get("TP_SOCKET_IFNAME")))
+                  runtime_for(g).call("gpu", lambda live: os.environ.get("TP_SOCKET_IFNAME")))
     """, tmp_path)
     lines = [line.split()[2:] for line in out.splitlines() if line.startswith("LISTENS")]
     assert len(lines) == 2 and all(lines), out  # both listen, the rendezvous among them
@@ -73,15 +73,15 @@ def test_a_big_matrix_product_over_there_equals_here_with_the_default_threads(tm
             # a batch of 7 comes out differently with 1 and 2 threads on this CPU: the
             # worker's default (as many threads as here) keeps the equality
             assert torch.equal(g.forward(odd), here_odd)
-            assert g._runtime.call("gpu", lambda live: torch.get_num_threads()) == 2
+            assert runtime_for(g).call("gpu", lambda live: torch.get_num_threads()) == 2
             # and its math threads sleep once a node is done, not spin on our cores
-            assert g._runtime.call("gpu", lambda live: os.environ["OMP_WAIT_POLICY"]) == \
+            assert runtime_for(g).call("gpu", lambda live: os.environ["OMP_WAIT_POLICY"]) == \
                 "PASSIVE"
     """, tmp_path)
 
 
 def test_a_worker_is_started_with_what_the_environment_says_before_our_defaults():
-    from somatize.remote._group import serving_env
+    from somatize.remote._spawn import serving_env
 
     assert serving_env({})["OMP_WAIT_POLICY"] == "PASSIVE"
     assert serving_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"
@@ -232,11 +232,11 @@ def test_provisioning_refuses_a_different_catalog_on_an_open_session(tmp_path):
     coordinate("""
         g = Graph.somatize(Body().at("gpu") >> Head())
         g.provision()                                     # before any forward: not skipped
-        w = g._runtime.call("gpu", lambda live: live["body"].lin.weight.clone())
+        w = runtime_for(g).call("gpu", lambda live: live["body"].lin.weight.clone())
         assert torch.equal(w, g["body"].lin.weight)
         other = Graph.somatize(Scale().at("gpu") >> Head(n_in=8))
         try:
-            g._runtime.provision(other)
+            runtime_for(g).provision(other)
             raise SystemExit("not refused")
         except Refused as e:
             msg = str(e)
@@ -269,8 +269,8 @@ def test_two_graphs_in_one_process_share_a_worker_each_with_its_own_catalog(tmp_
         g1 = Graph.somatize(Body().at("gpu") >> Head())
         g2 = Graph.somatize(Scale().at("gpu") >> Head(n_in=8))
         y1, y2 = g1.forward(x), g2.forward(x)
-        pid = g1._runtime.peers["gpu"].pid
-        assert g2._runtime.peers["gpu"].pid == pid           # one process, two sessions
+        pid = runtime_for(g1).peers["gpu"].pid
+        assert runtime_for(g2).peers["gpu"].pid == pid           # one process, two sessions
         g1.close()
         assert torch.equal(g2.forward(x), y2)                # the other session lives on
         assert torch.equal(y1, Graph.somatize(Body() >> Head()).forward(x))

@@ -41,7 +41,7 @@ def test_the_seeds_graph_on_a_standing_worker_equals_one_process(tmp_path):
             with Graph.somatize(Body().at("gpu") >> Head()) as g:
                 assert torch.equal(g.forward(x, workers=w), here)
                 assert torch.equal(g.forward(x, workers=w), here)
-                print("PID", g._runtime.peers["gpu"].pid)
+                print("PID", runtime_for(g).peers["gpu"].pid)
         """
         first = coordinate(run, tmp_path, name="first.py")
         second = coordinate(run, tmp_path, name="second.py")  # a fresh process per run

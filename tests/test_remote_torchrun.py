@@ -15,8 +15,8 @@ assert serve_if_worker()                       # rank 1 serves and never returns
 here = Graph.somatize(Body() >> Head()).forward(x)
 with Graph.somatize(Body().at("gpu") >> Head()) as g:
     y = g.forward(x)
-    assert g._runtime.peers["gpu"].kind == "torchrun"
-    assert g._runtime.call("gpu", lambda live: int(os.environ["RANK"])) == 1
+    assert runtime_for(g).peers["gpu"].kind == "torchrun"
+    assert runtime_for(g).call("gpu", lambda live: int(os.environ["RANK"])) == 1
 assert torch.equal(y, here)
 print("EQUAL", flush=True)
 """

@@ -1,18 +1,20 @@
 """The directory store: names, blobs, packing, damage, failures, and ``somatize store``."""
 
 import json
+import struct
 import subprocess
 import sys
 
 import pytest
 import torch
+from blake3 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 import somatize.torch  # noqa: F401  (registers the tensor's codec)
 from somatize import Keeper, Kept, StoreError, codec
-from somatize._packing import pack, unpack
+from somatize._packing import _encode, pack, unpack
 from somatize._store_cli import main as store_cli
 from somatize._values import Blob
 from somatize.store import Guarded, Store, open_keeper
@@ -359,3 +361,245 @@ def test_store_gc_removes_unreferenced_blobs_only(store, capsys):
 def test_store_commands_on_a_path_that_is_no_store_say_so(tmp_path, capsys):
     assert store_cli(["ls", str(tmp_path / "nothing")]) == 2
     assert "no store" in capsys.readouterr().err
+
+
+# -- every tensor read back starts 64-byte aligned (an unaligned one changes numbers) --
+
+def old_layout(value) -> bytes:
+    """``value`` as the store packed it before tensors were 64-byte aligned: the header
+    padded to 8 bytes, then the tensors back to back, widest dtype first."""
+    blobs = []
+    structure = _encode(value, blobs, 0)
+    width = {"F64": 8, "I64": 8, "U64": 8, "C64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2,
+             "BF16": 2, "I16": 2, "U16": 2}
+    header = {"__metadata__": {"somatize/1": json.dumps(structure)}}
+    data = b""
+    for i in sorted(range(len(blobs)), key=lambda i: -width.get(blobs[i].dtype, 1)):
+        raw = bytes(memoryview(blobs[i].data).cast("B"))
+        header[str(i)] = {"dtype": blobs[i].dtype, "shape": list(blobs[i].shape),
+                          "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def put_raw(store: Store, name: str, raw: bytes, size: int | None = None) -> str:
+    """Keep ``raw`` as a blob named by its hash, and ``name`` pointing at it, by hand."""
+    blob = blake3(raw).hexdigest()
+    store.blob_path(blob).parent.mkdir(parents=True, exist_ok=True)
+    store.blob_path(blob).write_bytes(raw)
+    store.name_path(name).parent.mkdir(parents=True, exist_ok=True)
+    store.name_path(name).write_text(json.dumps(
+        {"blob": blob, "size": len(raw) if size is None else size, "meta": {}}))
+    return blob
+
+
+def tensors_in(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from tensors_in(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from tensors_in(v)
+
+
+MIXED = {"f32": torch.randn(3, 37), "f64": torch.randn(5, dtype=torch.float64),
+         "i16": torch.arange(11, dtype=torch.int16), "half": torch.randn(13, dtype=torch.float16),
+         "mask": torch.tensor([True, False, True]), "bf": torch.randn(7, dtype=torch.bfloat16),
+         "ids": [torch.arange(9, dtype=torch.int64), torch.randn(1, 5)], "raw": b"\x01\x02"}
+BIG = {"a": torch.randn(3, 37), "big": torch.randn(300_001), "c": torch.randn(5, 7)}  # > 1 MB
+
+
+@pytest.mark.parametrize("value", [MIXED, BIG, torch.randn(7, 37)], ids=["mixed", "big", "one"])
+def test_every_tensor_read_back_starts_64_byte_aligned_read_held_or_mapped(store, value):
+    store.put("value/v", value)
+    for _ in range(2):  # read from the file, then (when small) from what is held in memory
+        back = store.get("value/v").value
+        for t, want in zip(tensors_in(back), tensors_in(value), strict=True):
+            assert torch.equal(t, want)
+            assert t.data_ptr() % 64 == 0
+
+
+@pytest.mark.parametrize("value", [MIXED, BIG], ids=["small", "big"])
+def test_a_blob_written_before_tensors_were_aligned_still_reads_and_aligned(store, value):
+    raw = old_layout(value)
+    n = int.from_bytes(raw[:8], "little")
+    starts = [8 + n + t["data_offsets"][0] for k, t in json.loads(raw[8:8 + n]).items()
+              if k != "__metadata__"]
+    assert any(s % 64 for s in starts)  # the old layout left tensors unaligned in the file
+    put_raw(store, "value/old", raw)
+    for _ in range(2):
+        back = store.get("value/old").value
+        for t, want in zip(tensors_in(back), tensors_in(value), strict=True):
+            assert torch.equal(t, want) and t.data_ptr() % 64 == 0
+    assert store_cli(["verify", str(store.path)]) == 0
+
+
+# -- a blob crafted to hash right is damaged, never read --
+
+def crafted(header: dict, structure, data: bytes = b"") -> bytes:
+    header = {"__metadata__": {"somatize/1": json.dumps(structure)}, **header}
+    text = json.dumps(header).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+def nested(depth):
+    s = None
+    for _ in range(depth):
+        s = {"l": [s]}
+    return s
+
+
+CLAIMS_4096_FLOATS = crafted(
+    {"t": {"dtype": "F32", "shape": [4096], "data_offsets": [0, 0]}}, {"o": "tensor", "at": "t"})
+
+
+def test_a_blob_that_hashes_right_but_claims_bytes_it_lacks_is_a_miss_moved_and_counted(
+        store, said, capsys):
+    blob = put_raw(store, "value/crafted", CLAIMS_4096_FLOATS)
+    store.put("value/fine", torch.ones(3))
+    assert store_cli(["verify", str(store.path)]) == 1
+    out = capsys.readouterr()
+    assert "1 damaged" in out.out and blob[:16] in out.err and "value/crafted" in out.err
+    assert store.get("value/crafted") is None  # never 4096 floats of someone else's memory
+    assert "is damaged" in said() and "16384 bytes" in said()
+    assert not store.blob_path(blob).exists()
+    assert (store.path / "damaged" / f"{blob}.safetensors").exists()
+    assert torch.equal(store.get("value/fine").value, torch.ones(3))
+
+
+def test_verify_goes_on_past_blobs_that_would_crash_the_reader_and_counts_them(store, capsys):
+    deeper = b'{"__metadata__":{"somatize/1":"' + b"[" * 100_000 + b'"}}'
+    bad = {"value/nested-200": crafted({}, nested(200)),  # RecursionError before
+           "value/nested-100000": struct.pack("<Q", len(deeper)) + deeper,
+           "value/empty-tag": crafted({}, {}),  # StopIteration before
+           "value/unknown-tag": crafted({}, {"z": 1}),
+           "value/claims": CLAIMS_4096_FLOATS}
+    blobs = {name: put_raw(store, name, raw) for name, raw in bad.items()}
+    store.put("value/zz-fine", torch.ones(3))  # checked after them all
+    assert store_cli(["verify", str(store.path)]) == 1
+    out = capsys.readouterr()
+    assert f"{len(bad)} damaged" in out.out
+    for name, blob in blobs.items():
+        assert blob[:16] in out.err and name in out.err
+    for name in bad:
+        assert store.get(name) is None
+    assert torch.equal(store.get("value/zz-fine").value, torch.ones(3))
+
+
+# -- a damaged name file is a miss for that name, and touches nothing else --
+
+def _rewrite_name(store, name, **fields):
+    record = json.loads(store.name_path(name).read_text())
+    record.update(fields)
+    store.name_path(name).write_text(json.dumps(record))
+
+
+BAD_NAMES = {
+    "meta is a list": {"meta": ["node", "encoder"]},
+    "meta holds an int": {"meta": {"node": 3}},
+    "size is a string": {"size": "12"},
+    "size is too big": {"size": 10**6},
+    "size is too small": {"size": 9},
+    "size is a float": {"size": 12.5},
+    "blob is not a hash": {"blob": "../../etc/passwd"},
+    "blob is a number": {"blob": 7},
+}
+
+
+@pytest.mark.parametrize("why", sorted(BAD_NAMES))
+def test_a_damaged_name_file_is_a_miss_said_once_and_its_shared_blob_stays(
+        store, said, capsys, why):
+    store.put("value/shared", torch.ones(3), meta={"node": "a"})
+    store.put("value/bad", torch.ones(3), meta={"node": "b"})  # the same bytes: one blob
+    (blob, _), = store.blobs()
+    store.get("value/shared")  # held in memory too: the size check must hold there as well
+    _rewrite_name(store, "value/bad", **BAD_NAMES[why])
+    assert store.get("value/bad") is None and store.get("value/bad") is None
+    assert said().count(str(store.name_path("value/bad"))) == 1
+    assert "damaged" not in {p.name for p in store.path.iterdir()}  # nothing moved aside
+    assert store.blob_path(blob).exists()
+    assert torch.equal(store.get("value/shared").value, torch.ones(3))
+    assert store_cli(["ls", str(store.path)]) == 0
+    assert "value/shared" in capsys.readouterr().out
+    assert store_cli(["verify", str(store.path)]) == 1
+    out = capsys.readouterr()
+    assert "1 damaged" in out.out and str(store.name_path("value/bad")) in out.err
+    assert store.put("value/bad", torch.ones(3))  # keeping it again writes the name whole
+    assert torch.equal(store.get("value/bad").value, torch.ones(3))
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "not json", '"a string"', "[" * 100_000])
+def test_a_name_file_that_is_no_json_object_is_a_miss_and_ls_lists_the_rest(
+        store, said, capsys, text):
+    store.put("value/good", torch.ones(2))
+    store.put("value/bad", torch.ones(3))
+    store.name_path("value/bad").write_text(text)
+    assert store.get("value/bad") is None
+    assert [e.name for e in store.entries()] == ["value/good"]
+    assert store_cli(["ls", str(store.path)]) == 0
+    assert store_cli(["verify", str(store.path)]) == 1
+
+
+def test_a_size_mismatch_on_a_blob_that_hashes_right_is_the_names_fault(store, said):
+    store.put("value/v", torch.randn(1000))
+    (blob, size), = store.blobs()
+    _rewrite_name(store, "value/v", size=size + 1)
+    assert store.get("value/v") is None
+    assert "the name file" in said() and "is damaged" in said()
+    assert store.blob_path(blob).exists()  # the blob is whole: it stays where it is
+    assert store.check_blob(blob) is None
+
+
+# -- the command: what to delete, and a store it cannot write --
+
+def test_verify_on_a_missing_blob_names_the_name_file_to_delete(store, capsys):
+    store.put("value/k1", torch.ones(3))
+    store.put("value/k2", torch.ones(3))
+    blob = store.entry("value/k1").blob
+    store.blob_path(blob).unlink()
+    assert store_cli(["verify", str(store.path)]) == 1
+    err = capsys.readouterr().err
+    assert str(store.name_path("value/k1")) in err and str(store.name_path("value/k2")) in err
+    assert str(store.blob_path(blob)) not in err  # not a file that is not there
+    store.name_path("value/k1").unlink()
+    store.name_path("value/k2").unlink()
+    assert store_cli(["verify", str(store.path)]) == 0
+
+
+def _one_clear_line(err: str, store) -> None:
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert str(store.path) in lines[0]
+
+
+def test_gc_on_a_store_it_cannot_write_says_so_in_one_line_and_exits_1(store, capsys):
+    # the lock file is a directory: a failure to write that stops root too
+    store.put("value/k", torch.ones(3))
+    store.put("value/k", torch.zeros(3))  # the first blob is now unreferenced
+    (store.path / "lock").unlink()
+    (store.path / "lock").mkdir()
+    assert store_cli(["gc", str(store.path)]) == 1
+    _one_clear_line(capsys.readouterr().err, store)
+    assert len(list(store.blobs())) == 2
+    assert store_cli(["gc", "--dry-run", str(store.path)]) == 0  # a dry run writes nothing
+
+
+def test_gc_on_a_read_only_store_says_so_in_one_line_and_exits_1(store):
+    store.put("value/k", torch.ones(3))
+    store.put("value/k", torch.zeros(3))
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip("no mount namespace here (unshare -m) to make a read-only mount")
+    p = str(store.path)
+    script = (f"mount --bind {p} {p} && mount -o remount,ro,bind {p} && "
+              f"exec {sys.executable} -m somatize store gc {p}")
+    out = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 1, out.stderr
+    _one_clear_line(out.stderr, store)
+    assert "Read-only file system" in out.stderr
+    assert len(list(store.blobs())) == 2

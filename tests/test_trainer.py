@@ -51,13 +51,39 @@ def test_the_hand_written_loop_and_trainer_step_give_the_same_losses():
     assert [t.step(b) for b in batches()] == by_hand
 
 
+def reaches(out: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether autograd walks back from ``out`` to ``weight`` (one graph, no cut between)."""
+    todo, seen = [out.grad_fn], set()
+    while todo:
+        fn = todo.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        if getattr(fn, "variable", None) is weight:
+            return True
+        todo.extend(f for f, _ in fn.next_functions)
+    return False
+
+
+def seen_by_objective(outs: list):
+    def objective(y, target):
+        outs.append(y)
+        return F.cross_entropy(y, target)
+    return objective
+
+
 def test_it_is_driven_in_stages_only_when_something_is_trained_where_it_runs():
     g = Graph.somatize(Pre() >> Body() >> Head())
-    plain = Trainer(g, F.cross_entropy, SGD(parameters(g)))
-    assert not plain.staged and plain.running is g  # no trainer stands anywhere
+    outs = []
+    Trainer(g, seen_by_objective(outs), SGD(parameters(g))).step(batches(1)[0])
+    assert reaches(outs[0], g["pre"].lin.weight)  # one autograd graph: no trainer anywhere
     trains = {"body": Split(torch.optim.SGD, lr=0.1)}
-    staged = Trainer(g, F.cross_entropy, SGD(parameters(g, without=trains)), trains=trains)
-    assert staged.staged and staged.running["body:in"] is staged.running["body"]
+    Trainer(g, seen_by_objective(outs), SGD(parameters(g, without=trains)),
+            trains=trains).step(batches(1)[0])
+    # in stages: the objective's graph stops at the trained body's output (a leaf)
+    assert reaches(outs[1], g["head"].lin.weight)
+    assert not reaches(outs[1], g["body"].lin.weight)
+    assert not reaches(outs[1], g["pre"].lin.weight)
 
 
 def test_a_lone_trained_node_is_one_stage_and_still_learns_through_its_transpose():
@@ -250,7 +276,8 @@ def test_fit_shows_a_progress_bar_with_the_running_loss_and_a_flag_turns_it_off(
 def test_the_objectives_own_backward_goes_on_through_the_last_stage():
     g = Graph.somatize(Pre() >> Body() >> Head())
     trains = {"body": Split(torch.optim.SGD, lr=0.1)}
-    t = Trainer(g, F.cross_entropy, SGD(parameters(g, without=trains)), trains=trains)
-    out, made = t.staged.forward({"pre": batches(1)[0][0]})
+    outs = []
+    t = Trainer(g, seen_by_objective(outs), SGD(parameters(g, without=trains)), trains=trains)
+    t.step(batches(1)[0])
     # the head's output as the head made it (one backward call), not a leaf cut from it
-    assert out.grad_fn is not None and "head" not in made and "body" in made
+    assert outs[0].grad_fn is not None and reaches(outs[0], g["head"].lin.weight)

@@ -7,8 +7,9 @@ placed nodes run, and train, on workers; the rest runs here as it always did.
 Workers are ``somatize.remote``'s: embedded (started here on loopback) when none are
 given, standing with ``workers={"worker": Worker.at("node3:7000")}``, and under
 torchrun ranks >= 1 serve (``serve_if_worker``) and exit 0 when the coordinator is done.
-A training step is ``somatize.torch``'s staged step; Lightning computes the loss and
-steps the local optimizer, and the trainers over there step with it.
+A training step is ``somatize.torch``'s ``Step``, the one ``Trainer`` drives (so its
+refusals are the Trainer's); Lightning computes the loss and steps the local optimizer,
+and the trainers over there step with it.
 """
 
 from __future__ import annotations
@@ -25,14 +26,12 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
-from .._engine import output, walk
 from .._errors import Refused, WorkerError
-from .._learning import IN, Learning
+from .._learning import Learning
 from .._memory import params_of
-from ..remote import Runtime, serve_if_worker
+from ..remote import serve_if_worker
 from ..torch import GraphModule, Split
-from ..torch._staged import Staged
-from ..torch._trainer import _load_trainer, _read_trainer, _restore
+from ..torch._step import Step, refuse_unknown, settle
 from ._callback import graph_modules
 
 log = logging.getLogger(__name__)
@@ -57,76 +56,6 @@ class _ServingLauncher(_Launcher):
         self.strategy.close()
 
 
-class _Run:
-    """One GraphModule under the strategy: its trainers, the staged step, its workers."""
-
-    def __init__(self, gm: GraphModule, trains: Mapping[str, Learning], workers: Any):
-        self.gm = gm
-        self.trains = dict(trains)
-        self.staged = Staged(gm.graph, self.trains, defer=False) if self.trains else None
-        self.running = self.staged.running if self.staged else gm.graph
-        self.runtime = Runtime(self.running, workers)
-        self.runtime.provision(self.running)
-        self.naming = gm.store is not None or self.runtime.keeps()
-        if self.staged:
-            self.staged.remote, self.staged.keeper = self.runtime, gm.store
-            self.staged.naming = self.naming
-        self.made: dict[str, Any] | None = None  # the step's forward, awaiting its backward
-
-    def forward(self, x: Any, *, feeds: Mapping[str, Any] | None, training: bool) -> Any:
-        """GraphModule's forward under the strategy: placed stretches run on their workers."""
-        g = self.gm.graph
-        inputs = dict(feeds) if feeds is not None else dict.fromkeys(g.roots, x)
-        if self.staged and training and torch.is_grad_enabled():
-            if self.made is not None:
-                raise Refused(
-                    f"the graph {g!r} ran twice in one training step: its trainers keep one "
-                    "activation each until the backward. Call the GraphModule once per "
-                    "training_step (concatenate the batches), or train under another strategy")
-            out, self.made = self.staged.forward(inputs)
-            return out
-        fed = {r + IN if r in self.trains else r: v for r, v in inputs.items()}
-        out = walk(self.running, self.running.plan.order, inputs=fed, keeper=self.gm.store,
-                   naming=self.naming, training=training, remote=self.runtime, wanted=g.sinks)
-        return output(g, out.values)
-
-    def backward(self) -> None:
-        """The step's backward past the cut: the trainers learn, and answer dL/d(input)."""
-        made, self.made = self.made, None
-        if made is not None:
-            self.staged.backward(made)
-
-    def step(self) -> None:
-        """Apply what the trainers accumulated, when the local optimizer steps."""
-        by_host: dict[str, list[str]] = {}
-        for n, t in self.trains.items():
-            if t.accumulates:
-                by_host.setdefault(self.gm.graph.placement.get(n), []).append(n)
-        for host, names in by_host.items():
-            self.runtime.call(host, _step, names)
-
-    def pull(self) -> dict[str, Any]:
-        """Copy the trained weights into this process's nodes; return the trainers' states."""
-        states = {}
-        for n in self.trains:
-            got = self.runtime.call(self.gm.graph.placement.get(n), _read_trainer, n)
-            _restore(self.gm.graph.catalog[n], got["node"])
-            states[n] = got["trainer"]
-        return states
-
-    def load(self, states: Mapping[str, Any]) -> None:
-        """Give the trainers over there back their states (optimizers)."""
-        for n, state in states.items():
-            if n in self.trains:
-                self.runtime.call(self.gm.graph.placement.get(n), _load_trainer, n, {}, state)
-
-
-def _step(live: Any, names: list[str]) -> None:
-    """Step the trainers ``names`` (run on the worker, against its live catalog)."""
-    for n in names:
-        live.catalog[n].step()
-
-
 class SomatizeStrategy(SingleDeviceStrategy):
     """Run a LightningModule's graphs with their placement honoured; train placed nodes there.
 
@@ -149,7 +78,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
         self.trains = dict(trains) if trains is not None else None
         self.workers = dict(workers) if workers else None
         self.store = store
-        self.runs: dict[str, _Run] = {}  # by the GraphModule's name in the LightningModule
+        self.runs: dict[str, Step] = {}  # by the GraphModule's name in the LightningModule
+        self._graph_modules: dict[str, GraphModule] = {}
         self._broken = False
 
     # -- launching --------------------------------------------------------------------
@@ -161,9 +91,9 @@ class SomatizeStrategy(SingleDeviceStrategy):
         """Close this strategy's sessions on its workers (the worker processes are shared
         and stop when nobody uses them, or at exit)."""
         runs, self.runs = self.runs, {}
-        for run in runs.values():
-            run.gm.runner = None
-            run.runtime.close()
+        for name, run in runs.items():
+            self._graph_modules.get(name, _Nobody).runner = None
+            run.close()
 
     # -- setup ------------------------------------------------------------------------
     @override
@@ -184,16 +114,25 @@ class SomatizeStrategy(SingleDeviceStrategy):
         named = {name: m for name, m in model.named_modules() if isinstance(m, GraphModule)}
         trains = self._trains(model, trainer) if trainer.training else {}
         old, self.runs = self.runs, {}
+        self._graph_modules = named
         # the new sessions first: the worker processes of the old ones are reused
         for name, gm in named.items():
             if gm.graph.placement.hosts:
                 mine = {n: t for n, t in trains.items() if n in gm.graph.catalog}
-                self.runs[name] = run = _Run(gm, mine, self.workers)
-                gm.runner = run.forward
+                self.runs[name] = run = Step(gm.graph, mine, workers=self.workers,
+                                             store=gm.store, optimizers=self.optimizers,
+                                             defer=False)
+                gm.runner = _runner(run)
         for run in old.values():
-            run.runtime.close()
-        hosts = sorted({h for run in self.runs.values() for h in run.runtime.peers})
+            run.close()
+        hosts = sorted({h for run in self.runs.values()
+                        for h in run.running.placement.workers()})
         log.info("the graph's placed nodes run on workers %s", hosts)
+
+    def where(self) -> dict[str, dict[str, dict[int, int]]]:
+        """Which processes ran each node of each GraphModule, and how often:
+        ``{graph_module_name: {node: {pid: times}}}`` (the worker's pid for placed nodes)."""
+        return {name: run.where() for name, run in self.runs.items()}
 
     def _trains(self, model: pl.LightningModule, trainer: pl.Trainer) -> dict[str, Learning]:
         """What trains each placed node; those nodes' parameters are taken out of
@@ -201,6 +140,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
         out: dict[str, Learning] = {}
         for gm in graph_modules(model):
             g = gm.graph
+            settle(g)  # before params are read: what is frozen is not trained
             for n in g.ids:
                 host = g.placement.get(n)
                 params = {id(p) for p in params_of(g.catalog[n]) if p.requires_grad}
@@ -213,7 +153,9 @@ class SomatizeStrategy(SingleDeviceStrategy):
                                       "it with Lightning's optimizer")
                     t = self.trains[n]
                     out[n] = copy.copy(t) if isinstance(t, Learning) else Split(t)
-                elif host is not None and params:
+                    if n in g.memory.frozen:
+                        continue  # refused by the step, with the Trainer's words
+                elif host is not None and params and n not in g.memory.frozen:
                     opt = next((o for o in self.optimizers for grp in o.param_groups
                                 for p in grp["params"] if id(p) in params), None)
                     if opt is None:
@@ -230,11 +172,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
                                           and trainer.accumulate_grad_batches == 1)
                 self._take_out(n, host, params)
         if self.trains is not None:
-            known = {n for gm in graph_modules(model) for n in gm.graph.ids}
-            missing = sorted(set(self.trains) - known)
-            if missing:
-                raise Refused(f"trains names {missing}, not in the graph; its nodes are "
-                              f"{sorted(known)}")
+            refuse_unknown(self.trains, [n for gm in graph_modules(model) for n in gm.graph.ids])
         return out
 
     def _take_out(self, n: str, host: str, params: set[int]) -> None:
@@ -252,7 +190,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         for run in self.runs.values():
-            run.made = None  # a step whose loss got no backward leaves nothing behind
+            run.discard()  # a step whose loss got no backward leaves nothing behind
         return super().training_step(*args, **kwargs)
 
     @override
@@ -274,7 +212,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
                        model: Any = None, **kwargs: Any) -> Any:
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         for run in self.runs.values():
-            run.step()
+            run.step_trainers()
         return out
 
     # -- weights and checkpoints --------------------------------------------------------
@@ -303,7 +241,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
         super().load_optimizer_state_dict(checkpoint)
         for name, states in checkpoint.get("somatize", {}).get("trainers", {}).items():
             if name in self.runs:
-                self.runs[name].load(states)
+                self.runs[name].load_state({n: {"trainer": st} for n, st in states.items()})
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -313,12 +251,27 @@ class SomatizeStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         self.pull_weights()
-        for run in self.runs.values():
-            run.gm.runner = None
-            run.made = None
+        for name, run in self.runs.items():
+            self._graph_modules.get(name, _Nobody).runner = None
+            run.discard()
         if self._broken:
             self.close()  # a dead worker: nothing over there to keep a session for
         super().teardown()
+
+
+class _Nobody:
+    runner = None
+
+
+def _runner(step: Step) -> Callable[..., Any]:
+    """GraphModule's forward under the strategy: the step's, placed stretches on workers."""
+    graph = step.graph
+
+    def run(x: Any, *, feeds: Mapping[str, Any] | None, training: bool) -> Any:
+        inputs = dict(feeds) if feeds is not None else dict.fromkeys(graph.roots, x)
+        return step.forward(inputs, training=training)
+
+    return run
 
 
 if "somatize" not in StrategyRegistry:

@@ -12,9 +12,9 @@ worker sees this process's ``sys.path``; a standing one needs them installed or 
 its ``PYTHONPATH``). Make a worker reachable only by whom you trust.
 """
 
-from ._group import configure
-from ._runtime import Runtime, runtime_for
+from ._runtime import Runtime, release, runtime_for
+from ._settings import configure
 from ._torchrun import serve_if_worker
 from ._worker import Worker
 
-__all__ = ["Runtime", "Worker", "configure", "runtime_for", "serve_if_worker"]
+__all__ = ["Runtime", "Worker", "configure", "release", "runtime_for", "serve_if_worker"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import uuid
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +31,8 @@ class Runtime:
     """The workers a graph's placed nodes run on; ``close()`` stops what it started."""
 
     def __init__(self, graph, workers: Mapping[str, Any] | None = None):
-        self.graph = graph
+        self._graph = weakref.ref(graph)  # whoever runs the graph holds it, not its runtime
+        self.hosts = graph.placement.workers()
         self.workers = dict(workers or {})
         self.session = uuid.uuid4().hex[:12]
         self.peers: dict[str, Peer] = {}
@@ -54,7 +56,7 @@ class Runtime:
         ranks = group().static
         if ranks is not None:
             # by default the graph's hosts are ranks 1, 2, ... in first-use order
-            return Worker.rank(ranks.get(host) or self.graph.placement.workers().index(host) + 1)
+            return Worker.rank(ranks.get(host) or self.hosts.index(host) + 1)
         return Worker.embedded()
 
     def start(self, hosts=None) -> list[Peer]:
@@ -62,7 +64,7 @@ class Runtime:
         if self.closed:
             raise WorkerError("this runtime is closed: run the graph again to start a new one")
         with self._lock:
-            hosts = list(hosts if hosts is not None else self.graph.placement.workers())
+            hosts = list(hosts if hosts is not None else self.hosts)
             fresh = [h for h in hosts if h not in self.peers]
             for h in fresh:
                 spec = self.spec(h)
@@ -79,10 +81,16 @@ class Runtime:
         return any(p.keeps for p in self.start())
 
     # -- what travels -------------------------------------------------------------
+    @property
+    def graph(self):
+        """The graph this runtime provisions (None once nobody holds it)."""
+        return self._graph()
+
     def provision(self, graph=None) -> None:
         """Send the whole graph to every worker it uses; refused over a different catalog."""
         if graph is not None and graph is not self.graph:
-            self.graph, self.provisioned = graph, set()
+            self._graph, self.provisioned = weakref.ref(graph), set()
+            self.hosts = tuple(dict.fromkeys([*self.hosts, *graph.placement.workers()]))
         graph = self.graph
         catalog = {n: kind_of(o) for n, o in graph.catalog.items()}
         blob = dumps(graph)
@@ -98,7 +106,7 @@ class Runtime:
         if stretch.host not in self.provisioned:
             self.provision()
         p = self.peers[stretch.host]
-        what = f"running {', '.join(stretch.nodes)}"
+        what = f"running {', '.join(map(str, stretch.nodes))}"
         return _Pending(self, p, what, self._async(p, _serve_fn("run"), (self.session, stretch)))
 
     def call(self, host: str, fn, *args: Any, **kw: Any) -> Any:
@@ -198,9 +206,18 @@ def _serve_fn(name: str):
     return getattr(_serve, name)
 
 
+# the runtime each graph runs on, held here (a Graph is facts only): a second forward
+# reuses its workers; the graph's close() ends them (interpreter exit at the latest)
+_held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def runtime_for(graph, workers: Mapping[str, Any] | None = None) -> Runtime:
-    """The runtime of ``graph`` (kept on it, so a second forward reuses its workers)."""
-    rt = graph._runtime
+    """The runtime of ``graph`` (held for it, so a second forward reuses its workers)."""
+    if workers is not None and not isinstance(workers, Mapping):
+        raise WorkerError(f"workers= takes a dict {{host: Worker}}, not a "
+                          f"{type(workers).__name__}: e.g. workers={{'gpu': "
+                          "Worker.at('127.0.0.1:7000')}}")
+    rt = _held.get(graph)
     if rt is not None and not rt.closed and (not workers or dict(workers) == rt.workers):
         return rt
     if rt is not None:
@@ -209,6 +226,12 @@ def runtime_for(graph, workers: Mapping[str, Any] | None = None) -> Runtime:
     if unknown:
         log.info("workers %s are given but the graph places no node on them", sorted(unknown))
     rt = Runtime(graph, workers)
-    graph._runtime = rt
+    _held[graph] = rt
     return rt
 
+
+def release(graph) -> None:
+    """Close the runtime ``graph`` runs on, stopping the workers nobody else uses."""
+    rt = _held.pop(graph, None)
+    if rt is not None:
+        rt.close()

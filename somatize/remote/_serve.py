@@ -184,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed.rpc as rpc
 
-    from ._group import backend_options, expect_closed_pipes
+    from ._membership import expect_closed_pipes
+    from ._settings import backend_options
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = json.loads(args.options)
     rpc.init_rpc(args.name, rank=args.rank, world_size=None,
                  rpc_backend_options=backend_options(args.join, opts))
-    expect_closed_pipes()
+    expect_closed_pipes(opts.get("timeout", 60.0))
     rpc.rpc_sync("coordinator", joined, args=(args.name,), timeout=opts.get("timeout", 60.0))
     _stop.wait()
     try:

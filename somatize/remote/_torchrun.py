@@ -45,11 +45,11 @@ def serve_if_worker(ranks: Mapping[str, int] | None = None) -> bool:
         return True
     import torch.distributed.rpc as rpc
 
-    from ._group import _settings, backend_options
+    from ._settings import backend_options, settings
 
     name = {r: h for h, r in ranks.items()}.get(rank, f"rank{rank}")
     rpc.init_rpc(name, rank=rank, world_size=world,
-                 rpc_backend_options=backend_options("env://", _settings))
+                 rpc_backend_options=backend_options("env://", settings))
     log.info("rank %d serves as worker %r", rank, name)
     rpc.shutdown(graceful=True)  # serves until every rank, the coordinator too, is done
     raise SystemExit(0)

@@ -58,7 +58,8 @@ def travelling(graph, out: Outcome, stretch) -> Outcome:
             values[n] = RRef(v)
         else:
             values[n] = v
-    return Outcome(values=values, keys=dict(out.keys), ran=list(out.ran), hits=list(out.hits))
+    return Outcome(values=values, keys=dict(out.keys), ran=list(out.ran), hits=list(out.hits),
+                   pids=dict(out.pids))
 
 
 def _read_only_elsewhere(graph, n: str, inside: set[str], host: str) -> bool:

@@ -2,12 +2,17 @@
 safetensors dtype, a shape and its bytes (read in place, never copied), and back.
 
     blob = to_blob(t); torch.equal(from_blob(blob), t)
+
+A tensor given back starts 64-byte aligned: it shares the bytes it was read from when
+they are (the store lays its blobs out so), else it is copied into memory that is (the
+CPU matrix kernels round unaligned float32 input differently in the last bit).
 """
 
 from __future__ import annotations
 
 import torch
 
+from .._packing import ALIGN
 from .._values import Blob, codec
 
 DTYPES: dict[torch.dtype, str] = {
@@ -21,26 +26,41 @@ TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 
 
 def to_blob(t: torch.Tensor) -> Blob:
-    """A tensor as bytes: on the CPU, contiguous, viewed as bytes without a copy."""
+    """A tensor as bytes: on the CPU, contiguous, viewed as bytes without a copy.
+
+    Raises ``TypeError`` for what no safetensors file holds (a sparse or quantized tensor,
+    complex128); a conjugate or negative view is resolved (a copy) first.
+    """
+    if t.layout != torch.strided:
+        raise TypeError(f"a {t.layout} tensor cannot be kept (only dense tensors): "
+                        "call .to_dense() on it first")
+    if t.dtype not in DTYPES:
+        raise TypeError(f"tensors of dtype {t.dtype} cannot be kept (no safetensors dtype)")
+    if t.device.type == "meta":
+        raise TypeError("a tensor on the meta device has no data to keep")
     t = t.detach()
     if t.device.type != "cpu":
         t = t.cpu()
-    t = t.contiguous()
-    if t.dtype not in DTYPES:
-        raise TypeError(f"tensors of dtype {t.dtype} cannot be kept (no safetensors dtype)")
+    t = t.resolve_conj().resolve_neg().contiguous()  # the bits a view flips lazily, applied
     data = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
     return Blob(DTYPES[t.dtype], tuple(t.shape), memoryview(data) if t.numel() else data)
 
 
 def from_blob(blob: Blob) -> torch.Tensor:
-    """A tensor from bytes, on the CPU, a leaf; shares the buffer when it can."""
+    """A tensor from bytes, on the CPU, a leaf, 64-byte aligned; shares the buffer when it
+    is writable and aligned, else copies it."""
     dtype = TORCH_DTYPES[blob.dtype]
     data = memoryview(blob.data)
-    if not len(data):
+    if not data.nbytes:
         return torch.empty(blob.shape, dtype=dtype)
     if data.readonly:  # a tensor may be written to: never over bytes someone else owns
-        data = bytearray(data)
-    return torch.frombuffer(data, dtype=torch.uint8).view(dtype).reshape(blob.shape)
+        raw = torch.empty(data.nbytes, dtype=torch.uint8)  # torch's allocator aligns to 64
+        memoryview(raw.numpy())[:] = data.cast("B") if data.format != "B" else data
+    else:
+        raw = torch.frombuffer(data, dtype=torch.uint8)
+        if raw.data_ptr() % ALIGN:
+            raw = raw.clone()  # a blob from before the store aligned its layout
+    return raw.view(dtype).reshape(blob.shape)
 
 
 codec("tensor", torch.Tensor, dump=to_blob, load=from_blob)

@@ -1,4 +1,6 @@
-"""The Trainer: one training step over a graph, in one piece or in stages.
+"""The Trainer: a graph trained with an objective, in one piece or in stages. The step
+itself is ``Step``'s (``_step.py``), the one the Lightning strategy drives too; the
+Trainer adds the objective, the local optimizer, and the loop.
 
 With nothing trained where it runs, a step is a plain forward, ``loss.backward()``,
 ``optimizer.step()`` and ``zero_grad()``. With a trainer somewhere, the step walks
@@ -26,15 +28,11 @@ from typing import Any
 
 import torch
 
-from .._engine import output, walk
-from .._errors import NoGradient, Refused
+from .._errors import SomatizeError
 from .._graph import Graph
 from .._learning import Learning
-from .._memory import cacheable, check_settled, has_state, params_of
-from .._node import kind_of
-from .._stages import levels
-from ._freeze import freeze, state_of
-from ._staged import Staged
+from .._memory import has_state
+from ._step import Step, restore, snapshot
 
 log = logging.getLogger(__name__)
 
@@ -63,77 +61,30 @@ class Trainer:
         workers: Mapping[str, Any] | None = None,
         store: Any = None,
     ):
-        from ..store import open_keeper
-
         self.graph = graph
         self.objective = objective
         self.optimizer = optimizer
         self.trains: dict[str, Learning] = dict(trains or {})
-        _refuse(graph, self.trains, optimizer)
-        if graph.memory.frozen:
-            freeze(graph)
-        if graph.memory.cached:
-            cacheable(graph)  # the prefix rule, once what is frozen is settled
-        check_settled(graph)
-        self.keeper = open_keeper(store)
-        # read off the graph once: it does not change once built
-        self._order, self._roots, self._sinks = graph.plan.order, graph.roots, graph.sinks
-        # trainers standing around their nodes: the step is driven in stages
-        self.staged = Staged(graph, self.trains) if self.trains else None
-        self.running = self.staged.running if self.staged else graph
-        self.runtime = None
-        if self.running.placement.hosts:
-            from ..remote import runtime_for
-
-            self.runtime = runtime_for(self.running, workers)
-            self.runtime.provision(self.running)
-        # keys are computed only where something cached can be kept (here or on a worker)
-        self._naming = bool(graph.memory.cached) and (self.keeper is not None or bool(
-            self.runtime is not None and self.runtime.keeps()))
-        if self.staged:
-            self.staged.remote, self.staged.keeper = self.runtime, self.keeper
-            self.staged.naming = self._naming
-        self._local = {  # param id -> node id, for what the local optimizer must move
-            id(p): n for n, node in graph.catalog.items()
-            if n not in self.trains and graph.placement.get(n) is None
-            and n not in graph.memory.frozen
-            for p in params_of(node) if p.requires_grad
-        }
-        if optimizer is not None:
-            held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-            self._local = {k: v for k, v in self._local.items() if k in held}
+        self._step = Step(graph, self.trains, workers=workers, store=store,
+                          optimizers=[optimizer])
+        self._roots = graph.roots
         # where the far side's step waits for the next input (one round trip per step), the
         # local one waits too: it is taken while the next step's first stretch computes
-        self._later = bool(self.staged and self.staged.deferrable) and optimizer is not None
+        self._later = bool(self._step.deferrable) and optimizer is not None
         self._unstepped = False  # the last step's local optimizer step, not yet taken
         self._fitting = False  # inside fit nobody reads the weights here between two steps
 
     # -- one step ---------------------------------------------------------------------
     def step(self, batch: tuple[Any, Any]) -> float:
         """Train on one ``(input, target)`` batch; return the loss as a float."""
-        x, target = batch
-        if not self.staged:
-            return self._plain_step(x, target)
-        return self._staged_step(x, target)
-
-    def _plain_step(self, x: Any, target: Any) -> float:
-        out = walk(self.graph, self._order, inputs=dict.fromkeys(self._roots, x),
-                   keeper=self.keeper, naming=self._naming, training=True, remote=self.runtime,
-                   wanted=self._sinks)
-        loss = self.objective(output(self.graph, out.values, self._sinks), target)
+        x, target = _pair(batch)
+        step = self._step
+        out = step.forward(dict.fromkeys(self._roots, x), meanwhile=self._step_local)
+        loss = _scalar(self.objective(out, target))
         loss.backward()
-        if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad()
-        return loss.item()
-
-    def _staged_step(self, x: Any, target: Any) -> float:
-        out, made = self.staged.forward(dict.fromkeys(self._roots, x),
-                                        meanwhile=self._step_local)
-        loss = self.objective(out, target)
-        loss.backward()
-        self.staged.backward(made)
-        self._check_gradients()
+        if step.trains:
+            step.backward()
+            step.check_gradients([self.optimizer])
         if self.optimizer is not None:
             self._unstepped = True
             if not (self._later and self._fitting):
@@ -146,24 +97,14 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad()
 
-    def _check_gradients(self) -> None:
-        if not self._local:
-            return
-        missing = sorted({n for n, node in self.graph.catalog.items() if n in self._local.values()
-                          for p in params_of(node) if id(p) in self._local and p.grad is None})
-        if missing:
-            raise NoGradient(
-                f"nodes {missing} are trained here but got no gradient in this step: nothing "
-                "between them and the loss handed one back (a trainer that answers None, or a "
-                "detach). Train them where they run (trains={...}), freeze them (.frozen()), "
-                "or leave their parameters out of the optimizer"
-            )
-
     def flush(self) -> None:
         """Deliver what a step left owed: gradients to trainers, the local optimizer's step."""
         self._step_local()  # first: it needs no worker, and a lost one must not lose it
-        if self.staged:
-            self.staged.flush()
+        self._step.flush()
+
+    def where(self) -> dict[str, dict[int, int]]:
+        """Which processes ran each node, and how often: ``{node: {pid: times}}``."""
+        return self._step.where()
 
     # -- many steps ---------------------------------------------------------------------
     def fit(self, data: Iterable[tuple[Any, Any]], epochs: int = 1,
@@ -204,14 +145,9 @@ class Trainer:
         Weights trained on a worker are read over there: this is how they are seen here.
         """
         self.flush()
-        nodes = {n: _snapshot(node) for n, node in self.graph.catalog.items() if has_state(node)}
+        nodes = {n: snapshot(node) for n, node in self.graph.catalog.items() if has_state(node)}
         trainers = {}
-        for n in self.trains:
-            host = self.graph.placement.get(n)
-            if host is None:
-                got = _read_trainer(self.running, n)
-            else:
-                got = self.runtime.call(host, _read_trainer, n)
+        for n, got in self._step.state().items():
             nodes[n], trainers[n] = got["node"], got["trainer"]
         optimizer = None if self.optimizer is None else copy.deepcopy(self.optimizer.state_dict())
         return {"nodes": nodes, "optimizer": optimizer, "trainers": trainers}
@@ -220,27 +156,21 @@ class Trainer:
         """Take back what ``state_dict`` gave: weights here and there, optimizers' states."""
         self.flush()
         for n, weights in state["nodes"].items():
-            if n in self.trains:
-                continue
-            _restore(self.graph.catalog[n], weights)
-        for n in self.trains:
-            host = self.graph.placement.get(n)
-            args = (n, state["nodes"].get(n, {}), state["trainers"].get(n, {}))
-            if host is None:
-                _load_trainer(self.running, *args)
-            else:
-                self.runtime.call(host, _load_trainer, *args)
+            if n not in self.trains:
+                restore(self.graph.catalog[n], weights)
+        self._step.load_state({n: {"node": state["nodes"].get(n, {}),
+                                   "trainer": state["trainers"].get(n, {})}
+                               for n in self.trains})
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
 
     def close(self) -> None:
         """Deliver what is owed and stop the worker processes this trainer started."""
-        if self.runtime is not None:
-            try:
+        try:
+            if self._step.runtime is not None:
                 self.flush()
-            finally:
-                self.runtime.close()
-                self.runtime = None
+        finally:
+            self._step.close()
 
     def __enter__(self) -> Trainer:
         return self
@@ -249,86 +179,20 @@ class Trainer:
         self.close()
 
 
-# -- refused before the first step --------------------------------------------------------
-
-def _refuse(graph: Graph, trains: Mapping[str, Any], optimizer: Any) -> None:
-    unknown = sorted(set(trains) - set(graph.ids))
-    if unknown:
-        raise Refused(
-            f"trains names {unknown}, which are not in the graph; its nodes are "
-            f"{list(graph.ids)}. Key trains by node id (a node's id is its class name in "
-            "lower case, or what .named('...') says)"
-        )
-    seen: dict[int, str] = {}
-    for n, trainer in trains.items():
-        if not isinstance(trainer, Learning):
-            raise Refused(f"trains[{n!r}] is a {type(trainer).__name__}, not a Learning: "
-                          f"write trains={{{n!r}: Split(SGD, lr=0.1)}}")
-        if id(trainer) in seen:
-            raise Refused(f"one trainer object trains both {seen[id(trainer)]!r} and {n!r}: "
-                          "give each node its own (Split(SGD, lr=0.1) twice)")
-        seen[id(trainer)] = n
-    for n in trains:
-        node = graph.catalog[n]
-        if n in graph.memory.frozen:
-            raise Refused(
-                f"node {n!r} is declared .frozen() and trained: frozen says its weights do not "
-                f"change while the graph runs, a trainer changes them every step. Drop "
-                f".frozen() from {n!r} or take {n!r} out of trains"
-            )
-        if not callable(getattr(node, "parameters", None)):
-            raise Refused(
-                f"node {n!r} ({kind_of(node)}) is trained but does not say what its parameters "
-                f"are: define parameters(self) on {kind_of(node)} returning its tensors"
-            )
-        if len(graph.preds[n]) > 1:
-            raise Refused(
-                f"node {n!r} is trained and has two producers {list(graph.preds[n])}: it would "
-                "owe a different gradient to each, which is not done. Join them in a node of "
-                f"their own before {n!r}, or train {n!r} in one piece with the rest"
-            )
-    if graph.memory.cached:
-        level = levels(graph, trains)
-        late = sorted(n for n in graph.memory.cached if level[n] > 0)
-        if late:
-            raise Refused(
-                f"nodes {late} are .cached() after a cut (stage {max(level[n] for n in late)}): "
-                "a stage's roots are handed values, not their recipes, so two batches would be "
-                f"kept under one name. Cache only before the first cut, or drop .cached() from "
-                f"{late}"
-            )
-    if optimizer is not None and trains:
-        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-        both = sorted(n for n in trains if any(id(p) in held for p in params_of(graph.catalog[n])))
-        if both:
-            raise Refused(
-                f"the local optimizer holds weights of {both}, which are also trained where "
-                "they run: each step would move them twice. Build it over "
-                "parameters(g, without=trains)"
-            )
+def _pair(batch: Any) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise SomatizeError(
+        f"Trainer.step takes a batch (input, target); got a {type(batch).__name__}"
+        f"{f' of {len(batch)}' if isinstance(batch, (tuple, list)) else ''}: make the data "
+        "yield pairs, e.g. a DataLoader over TensorDataset(x, y)")
 
 
-# -- small pieces ---------------------------------------------------------------------------
-
-def _snapshot(node: Any) -> dict[str, torch.Tensor]:
-    return {k: t.detach().clone() for k, t in state_of(node)}
-
-
-def _restore(node: Any, weights: Mapping[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for k, t in state_of(node):
-            if k in weights:
-                t.copy_(weights[k])
-
-
-def _read_trainer(live: Graph, n: str) -> dict:
-    """Read a trainer and its node's weights (run where they live, against that catalog)."""
-    trainer = live.catalog[n]
-    return {"node": _snapshot(trainer.node), "trainer": copy.deepcopy(trainer.state_dict())}
-
-
-def _load_trainer(live: Graph, n: str, weights: Mapping[str, Any], state: dict) -> None:
-    """Put weights and a trainer's state back (run where they live, against that catalog)."""
-    trainer = live.catalog[n]
-    _restore(trainer.node, weights)
-    trainer.load_state_dict(state)
+def _scalar(loss: Any) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                else f"a {type(loss).__name__}")
+        raise SomatizeError(
+            f"the objective returned {what}, not a scalar loss: end it with a reduction "
+            "(.mean() or .sum()), e.g. objective=lambda y, t: F.cross_entropy(y, t)")
+    return loss

@@ -1,0 +1,73 @@
+"""The group's transport settings, set before the first run starts RPC in this process.
+
+    configure(timeout=30, transports=["uv"])   # before the first run, if at all
+
+The defaults were chosen by measuring (``scripts/bench_remote.py``; docs/performance.md,
+"Transport"): the ``uv`` transport, TensorPipe's own channel choice.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from .._errors import WorkerError
+from ._worker import DEFAULT_TIMEOUT
+
+COORDINATOR = "coordinator"  # rank 0's RPC name
+settings: dict[str, Any] = {
+    "listen": "127.0.0.1",  # where the rendezvous and the coordinator listen
+    "transports": ["uv"],  # shm keeps a core spinning in every process
+    "channels": None,  # TensorPipe's own choice
+    "rpc_threads": 16,
+    "timeout": DEFAULT_TIMEOUT,
+}
+_started = [False]  # set by the group once RPC runs: settings can no longer change
+
+
+def configure(**given: Any) -> None:
+    """Set the group's transport options before the first run starts it.
+
+    Args:
+        listen: the address the coordinator binds (``"127.0.0.1"``); workers on other
+            machines need one they can reach (and ``TP_SOCKET_IFNAME`` set to its
+            interface).
+        transports: TensorPipe transports, e.g. ``["uv"]`` or ``["shm", "uv"]``.
+        channels: TensorPipe channels, e.g. ``["basic"]`` (None: TensorPipe's choice).
+        rpc_threads: threads each process serves calls with.
+        timeout: seconds a join or a shutdown may take.
+    """
+    unknown = set(given) - set(settings)
+    if unknown:
+        raise WorkerError(f"configure() knows {sorted(settings)}, not {sorted(unknown)}")
+    if _started[0]:
+        raise WorkerError("configure() must be called before the first run starts RPC in "
+                          "this process (it cannot be restarted: pytorch#46491)")
+    settings.update(given)
+
+
+def backend_options(init_method: str, opts: dict):
+    """The TensorPipe options every process of the group is started with."""
+    import torch.distributed.rpc as rpc
+
+    kw: dict[str, Any] = {}
+    if opts.get("transports"):
+        kw["_transports"] = list(opts["transports"])
+    if opts.get("channels"):
+        kw["_channels"] = list(opts["channels"])
+    return rpc.TensorPipeRpcBackendOptions(
+        init_method=init_method, num_worker_threads=opts.get("rpc_threads", 16),
+        rpc_timeout=opts.get("timeout", DEFAULT_TIMEOUT), **kw)
+
+
+def loopback(host: str) -> bool:
+    """Whether ``host`` is a loopback address."""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def loopback_iface() -> str:
+    """This machine's loopback interface (for ``TP_SOCKET_IFNAME``)."""
+    for _, name in socket.if_nameindex():
+        if name.startswith("lo"):
+            return name
+    return "lo"

@@ -1,0 +1,68 @@
+"""Starting a serving process: embedded on this machine, or by a standing daemon there.
+
+    proc = spawn(["--name", "gpu", "--rank", "1", "--join", join, ...])
+    conn, reply = ask_daemon("node3:7000", "gpu", argv, timeout)   # {"pid": ...}
+
+A serving process starts with ``SERVING_ENV`` unless the environment says otherwise:
+huge pages (large tensors are received faster) and ``OMP_WAIT_POLICY=PASSIVE`` (idle
+math threads sleep instead of spinning on the cores the coordinator computes on). Both
+are read once, before torch is imported, so only a process somatize starts can be given
+them (docs/performance.md, "libgomp busy-wait").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+from .._errors import WorkerError
+from ._settings import loopback, loopback_iface, settings
+
+SERVING_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def serving_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with ``SERVING_ENV``'s settings where it says nothing of them."""
+    return {**SERVING_ENV, **env}
+
+
+def spawn(argv: list[str]) -> subprocess.Popen:
+    """Start a serving process on this machine; it exits when its stdin closes."""
+    env = serving_env(dict(os.environ))
+    env["TP_SOCKET_IFNAME"] = os.environ.get("TP_SOCKET_IFNAME") or loopback_iface()
+    # what imports here imports there: the script's directory and every path of this process
+    paths = [os.path.abspath(p or os.getcwd()) for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return subprocess.Popen([sys.executable, "-m", "somatize.remote", *argv],
+                            stdin=subprocess.PIPE, env=env)
+
+
+def ask_daemon(address: str, host: str, argv: list[str], timeout: float):
+    """Ask the standing daemon at ``address`` for a serving process; returns the
+    connection (held open for the run) and its reply."""
+    where, _, port = address.rpartition(":")
+    if not loopback(where) and loopback(settings["listen"]):
+        raise WorkerError(
+            f"worker {host!r} at {address} is on another machine, but this coordinator "
+            "listens on loopback only: call somatize.remote.configure(listen='<an address "
+            "it can reach>') and set TP_SOCKET_IFNAME to that interface"
+        )
+    try:
+        conn = socket.create_connection((where, int(port)), timeout=timeout)
+        conn.sendall(json.dumps({"serve": argv}).encode() + b"\n")
+        line = conn.makefile("rb").readline()
+        reply = json.loads(line or b"{}")
+    except (OSError, ValueError) as e:
+        raise WorkerError(
+            f"worker {host!r}: no standing worker answered at {address} ({e}). Start one "
+            f"there with `python -m somatize.worker --name {host} --listen {address}`"
+        ) from None
+    if "error" in reply or "pid" not in reply:
+        conn.close()
+        raise WorkerError(f"worker {host!r} at {address} refused the run: "
+                          f"{reply.get('error', 'no answer')}")
+    conn.settimeout(None)
+    return conn, reply

@@ -1,0 +1,337 @@
+"""The directory store: content-addressed safetensors blobs, and names that point at them.
+
+    store = Store("/scratch/soma")
+    store.put("value/" + key, {"emb": t}, meta={"node": "encoder"})
+    [kept, None] = store.get_many(["value/" + key, "value/" + other])
+
+A write is: the blob to ``tmp/`` then renamed (skipped when those bytes are already
+kept), then the name to ``tmp/`` then renamed, under the lock held shared. A read checks
+everything it is handed, since a store may be shared: a name file that does not parse,
+or whose size is not its blob's, is a miss (said once, nothing else touched); a blob
+whose bytes do not hash to its name or do not parse as a packed value is a miss, said,
+and moved to ``PATH/damaged/``.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+from .._keeper import Kept
+from .._packing import Damaged, Unpackable, check, pack, unpack
+from .._say import say_once
+from ._blobs import digest, hasher, read_whole
+from ._entry import Entry, check_meta, check_name, parse_entry
+from ._lock import Lock
+from ._recent import recent
+
+log = logging.getLogger("somatize.store")
+
+
+class Store:
+    """A directory of content-addressed safetensors blobs and the names that point at them.
+
+    Args:
+        path: the directory (created on the first write).
+        fsync: flush each blob and name to disk before it is named (durability across a
+            power cut; not needed for consistency, which every read checks).
+        lock_timeout: seconds a writer waits for a running ``gc`` before not keeping.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = False,
+                 lock_timeout: float = 60.0):
+        self.path = Path(path)
+        self._root = str(self.path)
+        self.fsync = fsync
+        self.lock_timeout = lock_timeout
+
+    def __repr__(self) -> str:
+        return f"Store({str(self.path)!r})"
+
+    # -- reading ----------------------------------------------------------------
+    def get_many(self, names: Sequence[str]) -> list[Kept | None]:
+        """Look up several names; answers in the order asked, ``None`` for a miss."""
+        return [self.get(n) for n in names]
+
+    def get(self, name: str) -> Kept | None:
+        """The value kept under ``name`` and its meta, or None (a miss is not a failure)."""
+        check_name(name)
+        entry = self.entry(name)
+        if entry is None:
+            return None
+        buf = self._read_blob(entry)
+        if buf is None:
+            return None
+        try:
+            value = unpack(buf)
+        except Unpackable as e:
+            say_once(("store no codec", e.kind),
+                     f"store {self.path}: {name} holds a {e.kind!r} but no codec for it is "
+                     f"registered in this process, so it is a miss (import somatize.torch "
+                     "for tensors, or register one with somatize.codec)")
+            return None
+        except Damaged as e:
+            self._damaged(entry.blob, f"not a packed value ({e})", name)
+            return None
+        return Kept(value, dict(entry.meta))
+
+    def entry(self, name: str) -> Entry | None:
+        """The entry under ``name`` (without reading its value), or None."""
+        entry, why = self._parse(name)
+        if why is not None:
+            self._bad_name(name, why)
+        return entry
+
+    def check_entry(self, name: str) -> str | None:
+        """What is wrong with the name file of ``name`` (None when it parses)."""
+        return self._parse(name)[1]
+
+    def _parse(self, name: str) -> tuple[Entry | None, str | None]:
+        path = self._name_file(name)  # str paths: pathlib costs on a hit
+        try:
+            with open(path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return None, None
+        except OSError as e:
+            self._unreadable(path, e)
+            return None, None
+        try:
+            return parse_entry(name, raw), None
+        except ValueError as e:
+            return None, str(e)
+
+    def names(self, prefix: str = "") -> Iterator[str]:
+        """Every name kept, under ``prefix`` (``"value/"``, ``"artifact/emb/"``...)."""
+        root = self.path / "names"
+        for dirpath, _, files in os.walk(root):
+            rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
+            for f in sorted(files):
+                name = f if rel == "." else f"{rel}/{f}"
+                if name.startswith(prefix):
+                    yield name
+
+    def entries(self, prefix: str = "") -> Iterator[Entry]:
+        """Every entry kept under ``prefix``, with its blob, size and meta (a damaged name
+        file is left out, said once)."""
+        for n in self.names(prefix):
+            e = self.entry(n)
+            if e is not None:
+                yield e
+
+    def blobs(self) -> Iterator[tuple[str, int]]:
+        """Every blob on disk: (its hash, its size)."""
+        for sub in sorted((self.path / "blobs").glob("??")):
+            for p in sorted(sub.glob("*.safetensors")):
+                try:
+                    yield p.name.split(".")[0], p.stat().st_size
+                except FileNotFoundError:
+                    continue  # removed by a gc meanwhile
+
+    def blob_path(self, blob: str) -> Path:
+        """Where the blob named ``blob`` lives (it may not exist)."""
+        return Path(self._blob_file(blob))
+
+    def name_path(self, name: str) -> Path:
+        """Where the name file of ``name`` lives (it may not exist)."""
+        return Path(self._name_file(name))
+
+    def _blob_file(self, blob: str) -> str:
+        return os.path.join(self._root, "blobs", blob[:2], blob + ".safetensors")
+
+    def _name_file(self, name: str) -> str:
+        return os.path.join(self._root, "names", name)
+
+    def check_blob(self, blob: str) -> str | None:
+        """What is wrong with a blob (None when its bytes match its name and parse);
+        ``"missing"`` when there is no such file."""
+        try:
+            with open(self._blob_file(blob), "rb") as f:
+                buf = read_whole(f)
+        except FileNotFoundError:
+            return "missing"
+        except OSError as e:
+            return f"unreadable ({e.strerror})"
+        if digest(buf) != blob:
+            return "its bytes do not match its name (corrupted or truncated)"
+        try:
+            check(buf)
+        except Damaged as e:
+            return f"not a packed value ({e})"
+        return None
+
+    def _read_blob(self, entry: Entry):
+        key = (self._root, entry.blob)
+        held = recent.copy(key)
+        if held is not None:
+            return held if self._sized(entry, len(held)) else None
+        path = self._blob_file(entry.blob)
+        try:
+            with open(path, "rb") as f:
+                buf = read_whole(f)
+        except FileNotFoundError:
+            say_once(("store missing blob", entry.blob),
+                     f"store {self.path}: {entry.name} points at blob {entry.blob[:16]} "
+                     "which is gone; treated as a miss, the value is recomputed and kept "
+                     "again")
+            return None
+        except OSError as e:
+            self._unreadable(path, e)
+            return None
+        if digest(buf) != entry.blob:
+            why = "its bytes do not match its name (corrupted)" if len(buf) == entry.size \
+                else f"{len(buf)} bytes instead of {entry.size} (truncated?)"
+            self._damaged(entry.blob, why, entry.name)
+            return None
+        if not self._sized(entry, len(buf)):
+            return None
+        if isinstance(buf, memoryview):  # read whole, not mapped: small enough to hold
+            recent.hold(key, bytes(buf))
+        return buf
+
+    def _sized(self, entry: Entry, n: int) -> bool:
+        # the blob hashes to its name, so it is whole: a size that differs is the name's fault
+        if n == entry.size:
+            return True
+        self._bad_name(entry.name, f"it says {entry.size} bytes, blob {entry.blob[:16]} "
+                                   f"has {n}")
+        return False
+
+    def _bad_name(self, name: str, why: str) -> None:
+        say_once(("store bad name", self._root, name),
+                 f"store {self.path}: the name file {self._name_file(name)} is damaged "
+                 f"({why}); {name} is a miss, nothing else is touched. The value is "
+                 "recomputed and its name written again (or delete that file)")
+
+    def _unreadable(self, path: str, e: OSError) -> None:
+        # said once per store and errno: a permissions problem hits every read alike
+        say_once(("store read", self._root, e.errno),
+                 f"store {self.path}: cannot read {path} ({e.strerror}); treated as a "
+                 "miss, the value is recomputed. Check the directory's permissions")
+
+    def _damaged(self, blob: str, why: str, name: str) -> None:
+        # moved aside (a rename: whoever maps it keeps reading), so the next put rewrites it
+        recent.drop((self._root, blob))
+        aside = self.path / "damaged"
+        try:
+            aside.mkdir(exist_ok=True)
+            os.replace(self._blob_file(blob), aside / f"{blob}.safetensors")
+            where = f"moved to {aside}"
+        except OSError as e:
+            where = f"could not be moved to {aside} ({e.strerror}): delete {self._blob_file(blob)}"
+        say_once(("store damaged", blob),
+                 f"store {self.path}: blob {blob[:16]} (under {name}) is damaged: {why}. "
+                 f"Treated as a miss, {where}; the value is recomputed and kept again")
+
+    # -- writing ----------------------------------------------------------------
+    def put(self, name: str, value: Any, meta: Mapping[str, str] | None = None) -> bool:
+        """Keep ``value`` under ``name``; False when it cannot be kept (said on stderr)."""
+        check_name(name)
+        meta = check_meta(name, meta)
+        try:
+            header, buffers = pack(value)
+        except Unpackable as e:
+            say_once(("store no codec", e.kind),
+                     f"{name}: a {e.kind} has no codec, so this value is not kept (import "
+                     "somatize.torch for tensors, or register one with somatize.codec)")
+            return False
+        except (TypeError, ValueError) as e:
+            say_once(("store cannot pack", type(value).__qualname__, str(e)),
+                     f"{name}: this {type(value).__qualname__} cannot be kept ({e})")
+            return False
+        size = len(header) + sum(b.nbytes for b in buffers)
+        h = hasher(size, header)
+        for b in buffers:
+            h.update(b)
+        blob = h.hexdigest()
+        record = json.dumps({"blob": blob, "size": size, "meta": meta,
+                             "time": time.time()}, sort_keys=True).encode()
+        try:
+            with Lock(self.path, self.lock_timeout, exclusive=False):
+                if not os.path.exists(self._blob_file(blob)):  # the same bytes are kept once
+                    self._write(self.blob_path(blob), [header, *buffers], "blob")
+                self._write(self.name_path(name), [record], "name")
+        except OSError as e:
+            why = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied",
+                   errno.EROFS: "read-only file system"}.get(e.errno, e.strerror or str(e))
+            say_once(("store write", self._root, e.errno),
+                     f"store {self.path}: cannot keep {name} ({why}). The run goes on "
+                     "without keeping it; free space or fix the directory to keep values")
+            return False
+        return True
+
+    def _step(self, what: str) -> None:
+        """Called at each step of a write (``blob:open`` ... ``name:renamed``); nothing
+        here. tests/store_writer.py overrides it to kill or pause a writer there."""
+
+    def _write(self, final: Path, pieces: list, what: str) -> None:
+        tmp = self.path / "tmp" / f"{os.getpid()}-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                self._step(f"{what}:open")
+                for i, p in enumerate(pieces):
+                    f.write(p)
+                    if i == 0:
+                        f.flush()
+                        self._step(f"{what}:partial")
+                f.flush()
+                self._step(f"{what}:written")
+                if self.fsync:
+                    os.fsync(f.fileno())
+            final.parent.mkdir(parents=True, exist_ok=True)
+            self._step(f"{what}:closed")
+            os.replace(tmp, final)  # atomic: readers see the old file, or the whole new one
+            self._step(f"{what}:renamed")
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        if self.fsync:
+            _sync_dir(final.parent)
+
+    # -- looking after it ---------------------------------------------------------
+    def gc(self, dry_run: bool = False) -> tuple[int, int]:
+        """Remove blobs no name points at, and leftovers of killed writers.
+
+        Safe while others read (a removed blob is only unlinked, never truncated) and
+        write (writers hold the lock shared from writing a blob to naming it; gc takes
+        it exclusive). Returns (files removed, bytes freed); raises ``OSError`` when the
+        store cannot be written (read-only, permissions).
+        """
+        removed = freed = 0
+        if not self.path.is_dir():
+            return 0, 0
+        # a dry run removes nothing, so it neither needs the lock nor a writable store
+        with nullcontext() if dry_run else Lock(self.path, self.lock_timeout, exclusive=True):
+            used = {e.blob for e in self.entries()}
+            doomed = [(self.blob_path(b), s) for b, s in self.blobs() if b not in used]
+            doomed += [(p, p.stat().st_size) for p in _files(self.path / "tmp")]
+            for p, s in doomed:
+                if not dry_run:
+                    p.unlink(missing_ok=True)
+                removed += 1
+                freed += s
+        log.info("store %s: gc removed %d files, %d bytes", self.path, removed, freed)
+        return removed, freed
+
+
+def _files(d: Path) -> list[Path]:
+    try:
+        return [p for p in d.iterdir() if p.is_file()]
+    except FileNotFoundError:
+        return []
+
+
+def _sync_dir(d: Path) -> None:
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

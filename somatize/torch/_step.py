@@ -1,0 +1,399 @@
+"""One training step of a graph, whoever drives it: ``Trainer`` and ``SomatizeStrategy``
+are thin callers of this one implementation, so a refusal of one is a refusal of all.
+
+It covers what is refused before the first step (``refuse``), settling what is frozen,
+which values are named, the forward and the backward across cuts, the trainers' steps
+over there, and the trained state in and out. With a trainer standing somewhere the
+step walks the stages (``somatize.stages``) forward, each stage handed fresh leaves;
+the backward walks them in reverse: each trainer is handed dL/d(its output) by the
+transport's generic call and answers dL/d(its input), what sits between trainers here
+is walked through by autograd, one call per stage.
+
+    step = Step(g, {"body": Split(SGD, lr=0.1)}, store=None, optimizers=[opt])
+    out = step.forward({"body": x})        # the sink's value, a leaf that takes dL/dy
+    objective(out, target).backward()      # fills the last stage's leaves
+    step.backward()                        # trainers learn; nodes here get their .grad
+    step.state()                           # {node: {"node": weights, "trainer": state}}
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from .. import _holes
+from .._engine import Outcome, output, walk
+from .._errors import NoGradient, Refused
+from .._graph import Graph
+from .._learning import IN, Envelope, Learning, Position, around, node_of
+from .._memory import cacheable, check_settled, params_of
+from .._naming import naming
+from .._node import Ctx, kind_of
+from .._stages import levels, stages
+from .._values import Opaque, bare
+from ._freeze import freeze, state_of
+
+
+class Step:
+    """The training step of ``graph`` with ``trains`` standing around their nodes.
+
+    Args:
+        graph: the user's graph.
+        trains: ``{node_id: Learning}``: what trains each node where it runs.
+        workers: ``{host: Worker}`` for placed nodes (local processes when not given).
+        store: a directory or Keeper where ``.cached()`` nodes are kept.
+        optimizers: the optimizers here; holding a trained node's weights is refused.
+        defer: let a remote root trainer nobody upstream needs dL/dx from take its
+            gradient with the next step's input (one round trip per step); a driver that
+            steps trainers itself, right after the backward, says False.
+    """
+
+    def __init__(self, graph: Graph, trains: Mapping[str, Learning] | None = None, *,
+                 workers: Mapping[str, Any] | None = None, store: Any = None,
+                 optimizers: Iterable[torch.optim.Optimizer] = (), defer: bool = True):
+        self.graph = graph
+        self.trains: dict[str, Learning] = dict(trains or {})
+        optimizers = [o for o in optimizers if o is not None]
+        refuse(graph, self.trains, optimizers)
+        settle(graph)
+        self.keeper = _holes.keeper(store)
+        # the graph that runs (trainers around their nodes): this step's own object, so the
+        # runtime the transport holds for it is this step's alone (its own session)
+        self.running = around(graph, self.trains) if self.trains else Graph(
+            graph.catalog, graph.edges, graph.placement, graph.memory)
+        self.runtime = None
+        if self.running.placement.hosts:
+            self.runtime = _holes.transport().runtime_for(self.running, workers)
+            self.runtime.provision(self.running)
+        self.naming = naming(graph, self.keeper, self.runtime)
+        self.sinks = graph.sinks
+        self.made: dict[str, Any] | None = None  # the forward awaiting its backward
+        self.owed: dict[str, Any] = {}  # gradients deferred to the next step's input
+        self.ran: dict[str, Counter] = {}  # node -> {pid of the process that ran it: times}
+        self._plan_stages(defer)
+
+    def _plan_stages(self, defer: bool) -> None:
+        # read off the graph once: it does not change once built
+        graph, trains = self.graph, self.trains
+        self.stages = stages(graph, trains) if trains else []
+        self.orders = [[a for a in self.running.plan.order if node_of(a) in stage]
+                       for stage in self.stages]
+        for n, trainer in trains.items():
+            trainer.feeds_back = any(
+                a in trains or _trainable(graph, a) for a in graph.ancestors(n))
+        sinks = set(self.sinks)
+        self.wanted = [  # per stage: the values read by a later stage or the objective
+            [n for n in stage if n in sinks or any(c not in stage for c in graph.successors(n))]
+            for stage in self.stages]
+        # per stage: its trainers in the order the backward asks them, and the values
+        # autograd walks back through here
+        self.trainers = [[n for n in reversed(graph.plan.order) if n in stage and n in trains]
+                         for stage in self.stages]
+        self.through = [[n for n in wanted if n not in trains] for wanted in self.wanted]
+        # the last stage's untrained sinks are read by the objective alone: handed as they
+        # are, so loss.backward() goes on through that stage in the same call
+        self.kept = {n for n in self.wanted[-1] if n not in trains} if self.stages else set()
+        self.deferrable = {
+            n for n, t in trains.items()
+            if defer and graph.placement.get(n) is not None and not graph.preds[n]
+            and not t.feeds_back}
+
+    # -- forward ----------------------------------------------------------------------
+    def forward(self, inputs: Mapping[str, Any], *, training: bool = True,
+                meanwhile: Callable[[], None] | None = None) -> Any:
+        """Run the graph on ``{root: input}``; return the sink's value as the objective
+        reads it. Driven in stages when a trainer stands and autograd records (the
+        backward then waits in ``backward()``). ``meanwhile()`` is called once the first
+        stretches are sent, before anything runs here."""
+        if self.trains and training and torch.is_grad_enabled():
+            if self.made is not None:
+                raise Refused(
+                    f"the graph {self.graph!r} ran twice in one training step: its trainers "
+                    "keep one activation each until the backward. Run it once per step "
+                    "(concatenate the batches), or train it in one piece")
+            out, self.made = self._staged(inputs, meanwhile)
+            return out
+        fed = {Position(r, IN) if r in self.trains else r: v for r, v in inputs.items()}
+        out = walk(self.running, self.running.plan.order, inputs=fed, keeper=self.keeper,
+                   naming=self.naming, training=training, remote=self.runtime,
+                   wanted=self.sinks, meanwhile=meanwhile)
+        self._count(out)
+        return output(self.graph, out.values, self.sinks)
+
+    def _staged(self, inputs: Mapping[str, Any], meanwhile) -> tuple[Any, dict[str, Any]]:
+        fed: dict[Any, Any] = {}
+        for r, x in inputs.items():
+            if r in self.owed:
+                fed[Position(r, IN)] = Envelope(self.owed.pop(r), x)
+            else:
+                fed[Position(r, IN) if r in self.trains else r] = x
+        handed: dict[str, Any] = {}  # each value as later stages (and the objective) got it
+        made: dict[str, Any] = {}  # node -> (value, its leaf)
+        for k, order in enumerate(self.orders):
+            out = walk(self.running, order, inputs=fed, given=handed,
+                       keeper=self.keeper if k == 0 else None, naming=self.naming and k == 0,
+                       training=True, remote=self.runtime, wanted=self.wanted[k],
+                       meanwhile=meanwhile if k == 0 else None)
+            self._count(out)
+            for n in self.wanted[k]:
+                if n in self.kept:
+                    handed[n] = out.values[n]
+                    continue
+                # each stage starts a fresh autograd graph: what it is handed is a leaf
+                handed[n], made[n] = _leaf(out.values[n], n in self.trains)
+        return output(self.graph, handed, self.sinks), made
+
+    def _count(self, out: Outcome) -> None:
+        for n, pid in out.pids.items():
+            self.ran.setdefault(node_of(n), Counter())[pid] += 1
+
+    def where(self) -> dict[str, dict[int, int]]:
+        """Which processes ran each node, and how often: ``{node: {pid: times}}``."""
+        return {n: dict(c) for n, c in self.ran.items()}
+
+    # -- backward ---------------------------------------------------------------------
+    def backward(self) -> None:
+        """Walk the stages of the last forward back: trainers get dL/d(output) and answer
+        dL/d(input); what sits between them here is walked through by autograd."""
+        made, self.made = self.made, None
+        if made is None:
+            return
+        preds = self.graph.preds
+        owed: dict[str, torch.Tensor] = {}  # dL/d(value) that trainers answered, by producer
+
+        def signal(n: str) -> Any:
+            leaf = made[n][1] if made.get(n) else None
+            return _plus(None if leaf is None else leaf.grad, owed.pop(n, None))
+
+        for k in reversed(range(len(self.stages))):
+            for n in self.trainers[k]:
+                s = signal(n)
+                if n in self.deferrable:
+                    self.owed[n] = s
+                    continue
+                grad_in = self.learn(n, s)
+                if grad_in is not None and preds[n]:
+                    (p,) = preds[n]
+                    owed[p] = _plus(owed.get(p), grad_in)
+            values, grads = [], []
+            for n in self.through[k]:
+                if not made.get(n) or not made[n][0].requires_grad:
+                    continue
+                s = signal(n)
+                if s is not None:
+                    values.append(made[n][0])
+                    grads.append(s)
+            if values:
+                torch.autograd.backward(values, grads)
+
+    def discard(self) -> None:
+        """Forget a forward whose loss got no backward (nothing is kept for it)."""
+        self.made = None
+
+    def learn(self, n: str, signal: Any) -> Any:
+        """Hand ``n``'s trainer dL/d(output), where it stands; return dL/d(input) or None."""
+        return self._at(n, _learn, n, signal)
+
+    def flush(self) -> None:
+        """Deliver the gradients still owed to trainers (done before reading or closing)."""
+        for n in list(self.owed):
+            self.learn(n, self.owed.pop(n))
+
+    def check_gradients(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Raise ``NoGradient`` naming the nodes here whose weights the optimizers hold and
+        that got no gradient (never for what is trained elsewhere)."""
+        held = {id(p) for o in optimizers if o is not None
+                for group in o.param_groups for p in group["params"]}
+        missing = sorted(
+            n for n, node in self.graph.catalog.items()
+            if n not in self.trains and self.graph.placement.get(n) is None
+            and n not in self.graph.memory.frozen
+            and any(p.requires_grad and p.grad is None and id(p) in held
+                    for p in params_of(node)))
+        if missing:
+            raise NoGradient(
+                f"nodes {missing} are trained here but got no gradient in this step: nothing "
+                "between them and the loss handed one back (a trainer that answers None, or a "
+                "detach). Train them where they run (trains={...}), freeze them (.frozen()), "
+                "or leave their parameters out of the optimizer")
+
+    # -- the trainers' steps and state --------------------------------------------------
+    def step_trainers(self) -> None:
+        """Apply what accumulating trainers learned (when the optimizer here steps)."""
+        by_host: dict[str | None, list[str]] = {}
+        for n, t in self.trains.items():
+            if t.accumulates:
+                by_host.setdefault(self.graph.placement.get(n), []).append(n)
+        for host, names in by_host.items():
+            self._on(host, _step_trainers, names)
+
+    def state(self) -> dict[str, dict[str, Any]]:
+        """Each trained node's weights and its trainer's state, read where they live:
+        ``{node: {"node": {name: tensor}, "trainer": {...}}}``."""
+        self.flush()
+        return {n: self._at(n, _read_trainer, n) for n in self.trains}
+
+    def load_state(self, state: Mapping[str, Mapping[str, Any]]) -> None:
+        """Put back what ``state()`` gave, where the trained nodes live."""
+        self.flush()
+        for n, got in state.items():
+            if n in self.trains:
+                self._at(n, _load_trainer, n, got.get("node") or {}, got.get("trainer") or {})
+
+    def pull(self) -> dict[str, dict[str, Any]]:
+        """Copy the trained weights into this process's nodes; return the trainers' states."""
+        states = {}
+        for n, got in self.state().items():
+            if self.graph.placement.get(n) is not None:
+                restore(self.graph.catalog[n], got["node"])
+            states[n] = got["trainer"]
+        return states
+
+    def close(self) -> None:
+        """Stop the workers this step's runs started (what is owed is not delivered)."""
+        if self.runtime is not None:
+            _holes.transport().release(self.running)
+            self.runtime = None
+
+    def _at(self, n: str, fn: Callable[..., Any], *args: Any) -> Any:
+        return self._on(self.graph.placement.get(n), fn, *args)
+
+    def _on(self, host: str | None, fn: Callable[..., Any], *args: Any) -> Any:
+        # what runs where the trainers live: here against our own graph, or over there
+        # against the worker's live one, by the transport's generic call
+        if host is None:
+            return fn(self.running, *args)
+        return self.runtime.call(host, fn, *args)
+
+
+# -- refused before the first step, by every driver -------------------------------------
+
+def refuse(graph: Graph, trains: Mapping[str, Any],
+           optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
+    """Raise ``Refused`` for a training run that cannot be what it says, naming the nodes."""
+    refuse_unknown(trains, graph.ids)
+    seen: dict[int, str] = {}
+    for n, trainer in trains.items():
+        if not isinstance(trainer, Learning):
+            raise Refused(f"trains[{n!r}] is a {type(trainer).__name__}, not a Learning: "
+                          f"write trains={{{n!r}: Split(SGD, lr=0.1)}}")
+        if id(trainer) in seen:
+            raise Refused(f"one trainer object trains both {seen[id(trainer)]!r} and {n!r}: "
+                          "give each node its own (Split(SGD, lr=0.1) twice)")
+        seen[id(trainer)] = n
+    for n in trains:
+        node = graph.catalog[n]
+        if n in graph.memory.frozen:
+            raise Refused(
+                f"node {n!r} is declared .frozen() and trained: frozen says its weights do not "
+                f"change while the graph runs, a trainer changes them every step. Drop "
+                f".frozen() from {n!r} or take {n!r} out of trains")
+        if not callable(getattr(node, "parameters", None)):
+            raise Refused(
+                f"node {n!r} ({kind_of(node)}) is trained but does not say what its parameters "
+                f"are: define parameters(self) on {kind_of(node)} returning its tensors")
+        if len(graph.preds[n]) > 1:
+            raise Refused(
+                f"node {n!r} is trained and has two producers {list(graph.preds[n])}: it would "
+                "owe a different gradient to each, which is not done. Join them in a node of "
+                f"their own before {n!r}, or train {n!r} in one piece with the rest")
+    if graph.memory.cached and trains:
+        level = levels(graph, trains)
+        late = sorted(n for n in graph.memory.cached if level[n] > 0)
+        if late:
+            raise Refused(
+                f"nodes {late} are .cached() after a cut (stage {max(level[n] for n in late)}): "
+                "a stage's roots are handed values, not their recipes, so two batches would be "
+                f"kept under one name. Cache only before the first cut, or drop .cached() from "
+                f"{late}")
+    held = {id(p) for o in optimizers for group in o.param_groups for p in group["params"]}
+    both = sorted(n for n in trains if any(id(p) in held for p in params_of(graph.catalog[n])))
+    if both:
+        raise Refused(
+            f"the local optimizer holds weights of {both}, which are also trained where "
+            "they run: each step would move them twice. Build it over "
+            "parameters(g, without=trains)")
+
+
+def refuse_unknown(trains: Iterable[str], ids: Iterable[str]) -> None:
+    """Refuse ``trains`` naming nodes that are not among ``ids``."""
+    ids = list(ids)
+    unknown = sorted(set(trains) - set(ids))
+    if unknown:
+        raise Refused(
+            f"trains names {unknown}, which are not in the graph; its nodes are {ids}. Key "
+            "trains by node id (a node's id is its class name in lower case, or what "
+            ".named('...') says)")
+
+
+def settle(graph: Graph) -> None:
+    """Make ``.frozen()`` true (``freeze``) and check the prefix rule where a cache is
+    declared, before anything runs."""
+    if graph.memory.frozen:
+        freeze(graph)
+    if graph.memory.cached:
+        cacheable(graph)
+    check_settled(graph)
+
+
+# -- run where the trainers live, against that process's live graph --------------------
+
+def _learn(live: Graph, n: str, signal: Any) -> Any:
+    """Hand trainer ``n`` dL/d(its node's output); answer dL/d(its input) or None."""
+    return live.catalog[n].learn(signal, Ctx(n, live.placement.get(n), True))
+
+
+def _step_trainers(live: Graph, names: list[str]) -> None:
+    for n in names:
+        live.catalog[n].step()
+
+
+def _read_trainer(live: Graph, n: str) -> dict:
+    trainer = live.catalog[n]
+    return {"node": snapshot(trainer.node), "trainer": copy.deepcopy(trainer.state_dict())}
+
+
+def _load_trainer(live: Graph, n: str, weights: Mapping[str, Any], state: dict) -> None:
+    trainer = live.catalog[n]
+    restore(trainer.node, weights)
+    trainer.load_state_dict(state)
+
+
+# -- small pieces ----------------------------------------------------------------------
+
+def snapshot(node: Any) -> dict[str, torch.Tensor]:
+    """A copy of a node's state, by name."""
+    return {k: t.detach().clone() for k, t in state_of(node)}
+
+
+def restore(node: Any, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``weights`` (by name) into a node's state."""
+    with torch.no_grad():
+        for k, t in state_of(node):
+            if k in weights:
+                t.copy_(weights[k])
+
+
+def _trainable(graph: Graph, n: str) -> bool:
+    return n not in graph.memory.frozen and any(p.requires_grad for p in params_of(graph[n]))
+
+
+def _leaf(value: Any, trained: bool) -> tuple[Any, tuple[torch.Tensor, torch.Tensor] | None]:
+    """A value handed across a stage boundary: a tensor that can take a gradient (a
+    trainer's detached output, or one with history here) becomes a leaf that asks for it."""
+    t = bare(value)
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not (
+            trained or t.requires_grad):
+        return value, None
+    leaf = t.detach().requires_grad_()
+    return (Opaque(leaf) if isinstance(value, Opaque) else leaf), (t, leaf)
+
+
+def _plus(a: Any, b: Any) -> Any:
+    if a is None:
+        return b
+    return a if b is None else a + b

@@ -1,0 +1,96 @@
+"""The layers, read off every module's imports (inside functions too): the core imports
+no layer above it, and no layer imports one above itself.
+
+    core (somatize/_*.py) < store < torch < remote < lightning
+
+``somatize/__init__.py`` wires the defaults into the core's holes and the command-line
+entries sit on top; they are not layers.
+"""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "somatize"
+LAYERS = ["core", "store", "torch", "remote", "lightning"]
+ON_TOP = {"somatize", "somatize.__main__", "somatize._cli", "somatize._store_cli",
+          "somatize.worker"}  # the wiring and the command-line entries
+NO_TORCH = {"core", "store"}  # what `import somatize` and a store reader load
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def layer_of(module: str) -> str | None:
+    if module in ON_TOP:
+        return None
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in ("store", "torch", "remote", "lightning"):
+        return parts[1]
+    return "core"
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """Every module ``path`` imports, absolute, with its line (relative ones resolved)."""
+    return imports_of(path.read_text(), module_name(path), path.name == "__init__.py")
+
+
+def imports_of(source: str, me: str, is_package: bool) -> list[tuple[int, str]]:
+    package = me if is_package else me.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join([*base, node.module] if node.module else base)
+            else:
+                target = node.module
+            out.append((node.lineno, target))
+            # `from . import _holes` imports a module too
+            out += [(node.lineno, f"{target}.{a.name}") for a in node.names
+                    if (PACKAGE.parent / f"{target}.{a.name}".replace(".", "/")).with_suffix(
+                        ".py").exists()]
+    return out
+
+
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: module_name(p))
+def test_no_module_imports_a_layer_above_its_own(path):
+    me = module_name(path)
+    mine = layer_of(me)
+    if mine is None:
+        return
+    wrong = []
+    for line, target in imports(path):
+        top = target.split(".")[0]
+        if top == "somatize":
+            theirs = layer_of(target)
+            if theirs is not None and LAYERS.index(theirs) > LAYERS.index(mine):
+                wrong.append(f"line {line}: {target} ({theirs})")
+            if theirs is None and target != "somatize":
+                wrong.append(f"line {line}: {target} (an entry point)")
+        elif mine in NO_TORCH and top in ("torch", "lightning", "hydra", "numpy"):
+            wrong.append(f"line {line}: {target}")
+    assert not wrong, (f"{me} is in the {mine} layer and imports from above it: "
+                       f"{'; '.join(wrong)}. Plug it in through a hole (somatize/_holes.py)")
+
+
+def test_the_check_sees_an_upward_import_inside_a_function():
+    # the control: the reading above catches what the old engine and node did
+    source = ("from . import _holes\n"
+              "def run():\n    from .store import open_keeper\n"
+              "def wrap():\n    from .torch import node\n    import torch\n")
+    found = imports_of(source, "somatize._engine", False)
+    assert {(1, "somatize._holes"), (3, "somatize.store"), (5, "somatize.torch"),
+            (6, "torch")} <= set(found)
+    assert layer_of("somatize.store") == "store" and layer_of("somatize._engine") == "core"
