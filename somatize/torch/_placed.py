@@ -197,6 +197,7 @@ class Link:
         self.modes: tuple | None = None
         self.versions: dict[str, int] = {}
         self.fitting = False
+        self._previous = None
         self.needs: dict[int, list[bool]] = {}  # per call in flight: which arguments ask dL/d
         self._hooks: list = []
         self.answer: list = []
@@ -204,6 +205,7 @@ class Link:
     # -- installing --------------------------------------------------------------------
     def install(self) -> None:
         """Route the module's calls to the worker; refuse its children's calls here."""
+        self._previous = self.module.__dict__.get("forward")  # someone else's wrapper, kept
         self.module.forward = self.forward  # an instance attribute: the class is untouched
         for path, child in self.module.named_modules():
             if child is not self.module:
@@ -213,6 +215,8 @@ class Link:
 
     def uninstall(self) -> None:
         self.module.__dict__.pop("forward", None)
+        if self._previous is not None:
+            self.module.forward = self._previous
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
