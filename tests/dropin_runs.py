@@ -246,6 +246,96 @@ def stale(out):
     torch.save({"said": said, "seen": seen}, out)
 
 
+class PlainAutoEncoder(AutoEncoder):
+    """The autoencoder without dropout (the precision and clipping runs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+PRECISION = {
+    "bf16": {"precision": "bf16-mixed"},
+    "norm": {"gradient_clip_val": 0.05},
+    "value": {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"},
+    "bf16-norm": {"precision": "bf16-mixed", "gradient_clip_val": 0.05},
+    "bf16-true": {"precision": "bf16-true"},
+}
+
+
+def precision(out, case):
+    """Plain Lightning and the strategy under one precision / clipping setting."""
+    if case == "16":  # Lightning makes 16-mixed on CPU bf16: ask for float16 by the plugin
+        from lightning.pytorch.plugins import MixedPrecision
+
+        def scaled():  # a scale that overflows float16 at first: steps are skipped
+            return {"plugins": [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler(
+                "cpu", init_scale=2.0**24))]}
+
+        kw, kw_twice = scaled(), scaled()
+    else:
+        kw = kw_twice = PRECISION[case]
+    pl.seed_everything(0)
+    _, as_is, _ = fit(PlainAutoEncoder(), "auto", digits(), max_epochs=2, limit_val_batches=1)
+    pl.seed_everything(0)
+    t, plain_losses, plain = fit(PlainAutoEncoder(), "auto", digits(), max_epochs=2,
+                                 limit_val_batches=1, **kw)
+    scales = [getattr(getattr(t.precision_plugin, "scaler", None), "get_scale", lambda: None)()]
+    pl.seed_everything(0)
+    strategy = SomatizeStrategy(place={"encoder": "worker"})
+    t, split_losses, split = fit(PlainAutoEncoder(), strategy, digits(), max_epochs=2,
+                                 limit_val_batches=1, **kw_twice)
+    scales.append(getattr(getattr(t.precision_plugin, "scaler", None), "get_scale",
+                          lambda: None)())
+    torch.save({"plain": (plain_losses, plain), "split": (split_losses, split),
+                "as_is": as_is, "scales": scales,
+                "ran": strategy.where().get("", {}), "pid": os.getpid()}, out)
+
+
+def devices(out):
+    """A worker given device='cpu' explicitly trains exactly; one given a GPU it does not
+    have says so, naming the device."""
+    from somatize import WorkerError
+    from somatize.remote import Worker
+
+    pl.seed_everything(0)
+    _, plain_losses, plain = fit(PlainAutoEncoder(), "auto", digits(), max_epochs=1)
+    pl.seed_everything(0)
+    on_cpu = SomatizeStrategy(place={"encoder": "worker"},
+                              workers={"worker": Worker.embedded(device="cpu")})
+    _, split_losses, split = fit(PlainAutoEncoder(), on_cpu, digits(), max_epochs=1)
+    said = ""
+    try:
+        fit(PlainAutoEncoder(), SomatizeStrategy(
+            place={"encoder": "worker"}, workers={"worker": Worker.embedded(device="cuda:0")}),
+            digits(), max_epochs=1)
+    except WorkerError as e:
+        said = str(e)
+    torch.save({"plain": (plain_losses, plain), "split": (split_losses, split),
+                "said": said}, out)
+
+
+def gpu(out):
+    """On a machine with a GPU (scripts/gpu_check.sh): the local half on cuda:0, the encoder
+    on a worker on cuda:0, under 32-true, bf16-mixed and 16-mixed: equal to plain?"""
+    from somatize.remote import Worker
+
+    report = {}
+    for precision in ("32-true", "bf16-mixed", "16-mixed"):
+        kw = {"accelerator": "gpu", "devices": 1, "precision": precision, "max_epochs": 1}
+        pl.seed_everything(0)
+        _, plain_losses, plain = fit(PlainAutoEncoder(), "auto", digits(), **kw)
+        pl.seed_everything(0)
+        strategy = SomatizeStrategy(place={"encoder": "worker"},
+                                    workers={"worker": Worker.embedded(device="cuda:0")})
+        _, split_losses, split = fit(PlainAutoEncoder(), strategy, digits(), **kw)
+        same = all(torch.equal(plain[k].cpu(), split[k].cpu()) for k in plain)
+        report[precision] = {"losses equal": split_losses == plain_losses,
+                             "weights equal": same}
+        print(precision, report[precision], flush=True)
+    torch.save(report, out)
+
+
 def resumes(out):
     """The three resumes the test compares, in one process: plain from plain (the
     oracle: Lightning does not checkpoint the RNG), split from plain, plain from split."""

@@ -55,6 +55,30 @@ def test_a_placed_submodule_trains_over_there_to_plain_lightnings_numbers(
     assert sum(ran.values()) >= calls_per_step * len(split_losses)
 
 
+@pytest.mark.parametrize("case", ["bf16", "norm", "value", "bf16-norm", "16", "bf16-true"])
+def test_precision_and_clipping_cross_the_cut_to_plain_lightnings_numbers(tmp_path, case):
+    # bf16-mixed (CPU autocast), norm and value clipping over every parameter, both together,
+    # 16-mixed with a CPU GradScaler (its first steps overflow: skipped on every side)
+    got, _ = run(tmp_path, "precision", case)
+    plain_losses, plain = got["plain"]
+    split_losses, split = got["split"]
+    assert split_losses == plain_losses
+    for k in plain:
+        assert torch.equal(split[k], plain[k]), k
+    assert plain_losses != got["as_is"]  # the setting changes the numbers: it was applied
+    assert got["pid"] not in got["ran"]["encoder"]
+    if case == "16":
+        plain_scale, split_scale = got["scales"]
+        assert plain_scale == split_scale < 2.0**24  # steps were skipped, the same ones
+
+
+def test_a_worker_on_the_cpu_trains_exactly_and_one_given_a_missing_gpu_says_so(tmp_path):
+    got, _ = run(tmp_path, "devices")
+    assert got["split"][0] == got["plain"][0]
+    assert all(torch.equal(got["split"][1][k], v) for k, v in got["plain"][1].items())
+    assert "worker 'worker'" in got["said"] and "'cuda:0' but has no GPU" in got["said"]
+
+
 def test_a_checkpoint_written_under_the_strategy_is_plain_lightnings_and_resumes_both_ways(
         tmp_path):
     got, _ = run(tmp_path, "resumes", timeout=400)

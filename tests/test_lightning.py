@@ -37,14 +37,15 @@ def test_frozen_nodes_stay_in_eval_mode_when_lightning_calls_train():
     assert not gm.nodes["body"].training and gm.nodes["head"].training
 
 
-def test_bf16_mixed_precision_is_refused_at_setup():
-    with pytest.raises(Refused, match="precision='32-true'"):
+def test_bf16_mixed_precision_is_refused_at_setup_for_nodes_a_split_trains():
+    with pytest.raises(Refused, match="precision='32-true'.*place="):
         trainer(precision="bf16-mixed", strategy=SomatizeStrategy()).fit(
             DigitsModel(), DigitsData(limit=64))
 
 
-def test_gradient_clipping_is_refused_at_setup_it_would_miss_the_workers_weights():
-    with pytest.raises(Refused, match="gradient_clip_val is refused.*trained on the workers"):
+def test_gradient_clipping_is_refused_at_setup_it_would_miss_the_split_trained_weights():
+    with pytest.raises(Refused, match="gradient_clip_val with a GraphModule's nodes trained on "
+                                      "workers.*weights here only"):
         trainer(gradient_clip_val=1.0, strategy=SomatizeStrategy()).fit(
             DigitsModel(), DigitsData(limit=64))
 

@@ -44,7 +44,8 @@ class DropIn:
     """
 
     def __init__(self, model: torch.nn.Module, place: Mapping[str, str],
-                 optimizers: list, workers: Any = None, lightning_optimizers: list = ()):
+                 optimizers: list, workers: Any = None, lightning_optimizers: list = (),
+                 precision: Any = None, here: Any = None):
         self.modules = _resolve(model, place)
         _refuse_tied(model, self.modules)
         self.optimizers = list(optimizers)
@@ -61,7 +62,7 @@ class DropIn:
         graph = Graph({p: Placed(m) for p, m in self.modules.items()}, [],
                       Placement(dict(place)))
         self.step = Step(graph, workers=workers)  # sends each module, as it is now, once
-        self.links = {p: Link(self.step, p, m, place[p]) for p, m in self.modules.items()}
+        self.links = {p: Link(self.step, p, m, place[p], here) for p, m in self.modules.items()}
         # per (optimizer index, path): the optimizer's groups holding placed parameters,
         # with those parameters' names inside the module
         self.groups: dict[tuple[int, str], list] = {}
@@ -75,6 +76,9 @@ class DropIn:
                     self.groups[(i, path)] = groups
                     self.links[path].mirror(i, opt, groups)
         self._zero_grads(list(lightning_optimizers))
+        self.skipped: set[int] = set()  # optimizers whose step the loss scaler skipped
+        if precision is not None:
+            self._precision(precision)
         for link in self.links.values():
             link.install()
         for path, m in self.modules.items():
@@ -102,6 +106,93 @@ class DropIn:
                 target.zero_grad = zero_grad
                 self._patched.append(target)
 
+    def _precision(self, precision: Any) -> None:
+        # clipping and the loss scaler see every parameter, here and over there, as one
+        # piece would: the precision plugin's own methods, wrapped on this object only
+        self._plugin = precision
+        self._wrapped = [precision]
+        clip_norm, clip_value = precision.clip_grad_by_norm, precision.clip_grad_by_value
+
+        def clip_grad_by_norm(optimizer, clip_val):
+            if not self._clip_norm(optimizer, clip_val):
+                clip_norm(optimizer, clip_val)
+
+        def clip_grad_by_value(optimizer, clip_val):
+            clip_value(optimizer, clip_val)
+            for path in self._paths(optimizer):
+                self.links[path].clip_value(self._index(optimizer), clip_val)
+
+        precision.clip_grad_by_norm = clip_grad_by_norm
+        precision.clip_grad_by_value = clip_grad_by_value
+        scaler = getattr(precision, "scaler", None)
+        if scaler is None:
+            return
+        self._wrapped.append(scaler)
+        unscale, step = scaler.unscale_, scaler.step
+
+        def unscale_(optimizer):
+            unscale(optimizer)
+            raw = getattr(optimizer, "_optimizer", optimizer)
+            state = scaler._per_optimizer_states[id(raw)]  # where GradScaler keeps found_inf
+            inv = scaler._scale.double().reciprocal().float()  # as GradScaler computes it
+            found = state["found_inf_per_device"]
+            for path in self._paths(optimizer):
+                inf = self.links[path].unscale(self._index(optimizer), inv)
+                key = next(iter(found), inf.device)
+                found[key] = found[key] + inf.to(key) if key in found else inf
+
+        def step_(optimizer, *args, **kwargs):
+            raw = getattr(optimizer, "_optimizer", optimizer)
+            state = scaler._per_optimizer_states.get(id(raw), {})
+            infs = state.get("found_inf_per_device", {})
+            i = self._index(optimizer)
+            if i is not None and sum(v.item() for v in infs.values()):
+                self.skipped.add(i)  # inf or nan somewhere: no side steps
+            return step(optimizer, *args, **kwargs)
+
+        scaler.unscale_ = unscale_
+        scaler.step = step_
+
+    def _clip_norm(self, optimizer: Any, clip_val: float, norm_type: float = 2.0) -> bool:
+        """clip_grad_norm_ over the parameters here and over there, as one piece: the
+        same per-parameter norms, stacked in the order one piece stacks them (grouped
+        by device and dtype, first seen first), the same coefficient on every side."""
+        i = self._index(optimizer)
+        paths = self._paths(optimizer)
+        if i is None or not paths:
+            return False
+        params = self._plugin.main_params(optimizer)
+        far: dict[int, torch.Tensor] = {}
+        for path in paths:
+            names = {n: p for n, p in self.modules[path].named_parameters()}
+            for n, norm in self.links[path].norms(i, norm_type).items():
+                far[id(names[n])] = norm
+        groups: dict[tuple, list] = {}
+        here = []
+        for p in params:
+            if id(p) in far:
+                norm = far[id(p)]
+                groups.setdefault((p.device, p.dtype), []).append(norm)
+            elif p.grad is not None:
+                norm = torch._foreach_norm([p.grad], norm_type)[0]
+                groups.setdefault((p.grad.device, p.grad.dtype), []).append(norm)
+                here.append(p.grad)
+        norms = [n for ns in groups.values() for n in ns]
+        if not norms:
+            return True
+        first = next(iter(groups))[0]
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+        coef = torch.clamp(clip_val / (total + 1e-6), max=1.0)
+        if here:
+            torch._foreach_mul_(here, coef)
+        for path in paths:
+            self.links[path].clip_mul(i, coef)
+        return True
+
+    def _paths(self, optimizer: Any) -> list[str]:
+        i = self._index(optimizer)
+        return [p for (j, p) in self.groups if j == i]
+
     # -- what the strategy tells it ----------------------------------------------------
     def fitting(self, on: bool) -> None:
         for link in self.links.values():
@@ -111,6 +202,9 @@ class DropIn:
         """``optimizer`` stepped here: its mirrors step over there (sent with the next call)."""
         i = self._index(optimizer)
         if i is None:
+            return
+        if i in self.skipped:  # the loss scaler found inf or nan: nobody steps
+            self.skipped.discard(i)
             return
         for (j, path), groups in self.groups.items():
             if j == i:
@@ -172,6 +266,9 @@ class DropIn:
                 link.uninstall()
             for target in self._patched:
                 target.__dict__.pop("zero_grad", None)
+            for target in getattr(self, "_wrapped", []):
+                for attr in ("clip_grad_by_norm", "clip_grad_by_value", "unscale_", "step"):
+                    target.__dict__.pop(attr, None)
             self.step.close()
 
     def _index(self, optimizer: Any) -> int | None:

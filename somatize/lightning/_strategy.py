@@ -78,7 +78,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
 
     def __init__(self, trains: Mapping[str, Any] | None = None, workers: Any = None,
                  store: Any = None, place: Mapping[str, str] | None = None, **kwargs: Any):
-        super().__init__(device=torch.device("cpu"), **kwargs)
+        super().__init__(device=torch.device("cpu"), **kwargs)  # Lightning's, at setup
         self.place = dict(place or {})
         if self.place and trains is not None:
             raise Refused(
@@ -95,6 +95,16 @@ class SomatizeStrategy(SingleDeviceStrategy):
         self.runs: dict[str, Step] = {}  # by the GraphModule's name in the LightningModule
         self._graph_modules: dict[str, GraphModule] = {}
         self._broken = False
+
+    @override
+    def setup_environment(self) -> None:
+        # the local half on Lightning's root device (accelerator="gpu" gives cuda:N)
+        trainer = self.lightning_module.trainer if self.lightning_module else None
+        devices = getattr(getattr(trainer, "_accelerator_connector", None), "_parallel_devices",
+                          None)
+        if devices:
+            self._root_device = torch.device(devices[0])
+        super().setup_environment()
 
     # -- launching --------------------------------------------------------------------
     @override
@@ -122,30 +132,22 @@ class SomatizeStrategy(SingleDeviceStrategy):
                 f"num_nodes={trainer.num_nodes} given): the placed modules' workers are its "
                 "other processes. Use lightning.Trainer(devices=1) and place more modules on "
                 "more workers, or run data parallel under another strategy")
-        if type(self.precision_plugin) is not Precision:
-            raise Refused(
-                f"SomatizeStrategy trains in full precision only: precision="
-                f"{trainer.precision!r} is refused (autocast does not cross a process, and "
-                "a scaled loss would reach the workers' optimizers unscaled). Use "
-                "lightning.Trainer(precision='32-true')")
         super().setup(trainer)
-        if trainer.training and trainer.gradient_clip_val:
-            raise Refused(
-                "gradient_clip_val is refused under SomatizeStrategy: the norm would be taken "
-                "over the weights here only, not those trained on the workers. Clip inside "
-                "the nodes' optimizers, or train without gradient_clip_val")
         model = self.lightning_module
         if self.dropin is not None:
             self.dropin.close(pull=not self._broken)
             self.dropin = None
         if self.place:
             self.dropin = DropIn(model, self.place, self.optimizers, self.workers,
-                                 self._lightning_optimizers)
+                                 self._lightning_optimizers, self.precision_plugin,
+                                 self.root_device)
             self.dropin.fitting(trainer.training)
             if not any(isinstance(c, _SyncAtEpochEnd) for c in trainer.callbacks):
                 trainer.callbacks.insert(0, _SyncAtEpochEnd())  # before the user's own
         named = {name: m for name, m in model.named_modules() if isinstance(m, GraphModule)}
         trains = self._trains(model, trainer) if trainer.training else {}
+        if trains:
+            self._graph_route_limits(trainer)
         old, self.runs = self.runs, {}
         self._graph_modules = named
         # the new sessions first: the worker processes of the old ones are reused
@@ -168,6 +170,22 @@ class SomatizeStrategy(SingleDeviceStrategy):
                 "Lightning's own strategy. Name what runs on a worker with "
                 "SomatizeStrategy(place={'encoder': 'worker'}), or .at('worker') on a node "
                 "of a GraphModule", type(model).__name__)
+
+    def _graph_route_limits(self, trainer: pl.Trainer) -> None:
+        # the graph route's trainers (Split) hold their own optimizers: no autocast, scaler
+        # or clipping reaches them. The drop-in route (place=) has all three
+        if type(self.precision_plugin) is not Precision:
+            raise Refused(
+                f"precision={trainer.precision!r}: a GraphModule's nodes trained on workers "
+                "(Split) run in full precision only (autocast and a loss scale do not reach "
+                "their optimizers). Use lightning.Trainer(precision='32-true'), or place "
+                "plain submodules with SomatizeStrategy(place=...), which honours precision")
+        if trainer.gradient_clip_val:
+            raise Refused(
+                "gradient_clip_val with a GraphModule's nodes trained on workers (Split): the "
+                "norm would be taken over the weights here only. Train without "
+                "gradient_clip_val, or place plain submodules with SomatizeStrategy(place="
+                "...), which clips over every parameter as one piece would")
 
     def where(self) -> dict[str, dict[str, dict[int, int]]]:
         """Which processes ran each node of each GraphModule, and how often:

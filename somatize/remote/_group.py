@@ -44,6 +44,7 @@ class Peer:
     conn: socket.socket | None = None  # to a standing daemon, held for the run
     keeps: bool = False
     pid: int | None = None
+    device: str = "cpu"  # where placed modules compute over there
     rank: int | None = None
     users: int = 0
     dead: str | None = None  # why it is gone, once it is
@@ -104,7 +105,8 @@ class Group:
     def peer(self, host: str, spec: Worker) -> Peer:
         """The worker process serving ``host`` as ``spec`` says, started if need be."""
         self.start()
-        key = (spec.kind, spec.address or spec.torchrun_rank or (host, spec.store, spec.threads))
+        key = (spec.kind, spec.address or spec.torchrun_rank or (host, spec.store, spec.threads),
+               spec.device)
         with self.lock:
             p = self.peers.get(key)
             if p is not None and p.why_dead() is None:
@@ -153,6 +155,8 @@ class Group:
         cmd = ["--name", name, "--rank", str(rank), "--join", self.join,
                "--options", json.dumps({k: v for k, v in settings.items() if k != "listen"}),
                "--threads", str(spec.threads or _threads_here())]
+        if spec.device is not None:
+            cmd += ["--device", spec.device]
         if spec.kind == "standing":
             p = Peer(name, host, "standing", spec.timeout, rank=rank)
             p.conn, reply = ask_daemon(spec.address, host, cmd, spec.timeout)

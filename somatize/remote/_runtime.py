@@ -74,6 +74,7 @@ class Runtime:
                 p = self.peers[h]
                 info = self._rpc(p, "greeting it", _serve_fn("hello"), ())
                 p.keeps, p.pid = info["keeps"], info["pid"]
+                p.device = info.get("device", "cpu")
             return [self.peers[h] for h in hosts]
 
     def keeps(self) -> bool:

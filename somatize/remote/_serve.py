@@ -48,12 +48,27 @@ def joined(name: str) -> None:
     _joined.add(name)
 
 
+_device: str | None = None  # --device; None: the default below
+
+
+def device() -> str:
+    """Where what is placed here computes: --device, else this torchrun rank's LOCAL_RANK
+    GPU, else cuda:0 where there is one, else cpu."""
+    import torch
+
+    if _device is not None:
+        return _device
+    if torch.cuda.is_available():
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % torch.cuda.device_count()}"
+    return "cpu"
+
+
 def hello() -> dict:
-    """Who this worker is: whether it keeps, its pid, its math threads."""
+    """Who this worker is: whether it keeps, its pid, its math threads, its device."""
     import torch
 
     return {"keeps": _keeper is not None, "pid": os.getpid(),
-            "threads": torch.get_num_threads()}
+            "threads": torch.get_num_threads(), "device": device()}
 
 
 def noop() -> None:
@@ -177,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--options", default="{}", help="the group's transport options (JSON)")
     ap.add_argument("--store", default=None)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default=None, help="where placed modules compute")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format=f"worker {args.name}: %(message)s")
     threading.Thread(target=_watch_stdin, daemon=True, name="somatize-stdin").start()
@@ -189,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    global _device
+    _device = args.device
     global _keeper
     if args.store:
         from ..store import open_keeper

@@ -29,6 +29,9 @@ class Worker:
         timeout: seconds one call may take (a stretch, a provision) before it fails.
         threads: math threads over there (default: as many as here, so a node gives
             exactly what it gives here).
+        device: where a placed module computes over there (``"cpu"``, ``"cuda:1"``);
+            default: a torchrun rank's ``LOCAL_RANK`` GPU, else ``cuda:0`` where there is
+            one, else ``cpu``.
     """
 
     address: str | None = None
@@ -36,10 +39,11 @@ class Worker:
     store: str | None = None
     timeout: float = DEFAULT_TIMEOUT
     threads: int | None = None
+    device: str | None = None
 
     @classmethod
     def at(cls, address: str, *, timeout: float = DEFAULT_TIMEOUT,
-           threads: int | None = None) -> Worker:
+           threads: int | None = None, device: str | None = None) -> Worker:
         """A standing worker: the daemon listening at ``"host:port"``."""
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
@@ -47,7 +51,7 @@ class Worker:
                 f"Worker.at({address!r}): give the daemon's address as 'host:port', "
                 "e.g. Worker.at('127.0.0.1:7000')"
             )
-        return cls(address=address, timeout=timeout, threads=threads)
+        return cls(address=address, timeout=timeout, threads=threads, device=device)
 
     @classmethod
     def rank(cls, rank: int, *, timeout: float = DEFAULT_TIMEOUT) -> Worker:
@@ -58,10 +62,10 @@ class Worker:
 
     @classmethod
     def embedded(cls, *, store: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 threads: int | None = None) -> Worker:
+                 threads: int | None = None, device: str | None = None) -> Worker:
         """A local worker process started on 127.0.0.1 for the graph or trainer using it."""
         return cls(store=None if store is None else str(store), timeout=timeout,
-                   threads=threads)
+                   threads=threads, device=device)
 
     @property
     def kind(self) -> str:

@@ -17,9 +17,11 @@ group, hyper-parameters sent with each step) apply them.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import itertools
+import logging
 import os
 from collections import Counter
 from collections.abc import Mapping
@@ -29,6 +31,8 @@ import torch
 
 from .._errors import Refused
 from ._module import ModuleNode
+
+log = logging.getLogger(__name__)
 
 
 class Placed(ModuleNode):
@@ -94,13 +98,59 @@ def _apply(placed: Placed, ops: list) -> None:
                 m.training = mode
         elif op[0] == "weights":
             _copy_into(placed.module, op[1])
+        elif op[0] == "clip_mul":
+            _, i, coef = op
+            grads = _grads(placed.mirrors[i])
+            if grads:
+                torch._foreach_mul_(grads, coef.to(grads[0].device))
+        elif op[0] == "clip_value":
+            _, i, value = op
+            torch.nn.utils.clip_grad_value_(_params(placed.mirrors[i]), clip_value=value)
+
+
+def _params(opt: torch.optim.Optimizer) -> list:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _grads(opt: torch.optim.Optimizer) -> list:
+    return [p.grad for p in _params(opt) if p.grad is not None]
+
+
+def _moved(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
+
+
+def _settled_on(placed: Placed, device: str) -> torch.device:
+    # the module computes on the worker's device; moved once, before any optimizer holds it
+    dev = torch.device(device)
+    if getattr(placed, "device", None) != dev:
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"this worker was given device {device!r} but has no GPU: "
+                               "start it with --device cpu (Worker(device='cpu'))")
+        placed.module.to(dev)
+        placed.device = dev
+    return dev
 
 
 def _call(live, name: str, call: int, flat: list, spec: Any, needs: list[bool], grad: bool,
-          inference: bool, rng: torch.Tensor, ops: list):
+          inference: bool, rng: torch.Tensor, ops: list, autocast: list, dtype: torch.dtype,
+          device: str = "cpu"):
     placed = live.catalog[name]
+    dev = _settled_on(placed, device)
+    flat = [_moved(t, dev) for t in flat]
     _apply(placed, ops)
     torch.set_rng_state(rng)
+    with contextlib.ExitStack() as under:
+        for device_type, cast, cache in autocast:  # the caller's autocast, as it was
+            under.enter_context(torch.autocast(device_type, dtype=cast, cache_enabled=cache))
+        if dtype != torch.get_default_dtype():  # bf16-true / 16-true set it for the forward
+            under.callback(torch.set_default_dtype, torch.get_default_dtype())
+            torch.set_default_dtype(dtype)
+        return _run_call(placed, call, flat, spec, needs, grad, inference)
+
+
+def _run_call(placed: Placed, call: int, flat: list, spec: Any, needs: list[bool], grad: bool,
+              inference: bool):
     leaves = [t.detach().requires_grad_() if need else t
               for t, need in zip(flat, needs, strict=True)]
     args, kwargs = tree_unflatten(leaves, spec)
@@ -115,7 +165,8 @@ def _call(live, name: str, call: int, flat: list, spec: Any, needs: list[bool], 
     if grad and tensors:
         placed.kept[call] = ([t if need else None
                               for t, need in zip(leaves, needs, strict=True)], out_flat)
-    answer = [t.detach() if isinstance(t, torch.Tensor) else t for t in out_flat]
+    # tensors cross on the CPU (no TensorPipe device maps yet): moved at the boundary
+    answer = [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in out_flat]
     return answer, out_spec, torch.get_rng_state(), os.getpid()
 
 
@@ -127,12 +178,14 @@ def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
     pairs = [(o, g) for o, g in zip(tensors, grads, strict=True)
              if g is not None and o.requires_grad]
     if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-    return [None if leaf is None else leaf.grad for leaf in leaves]
+        torch.autograd.backward([o for o, _ in pairs], [g.to(o.device) for o, g in pairs])
+    return [None if leaf is None or leaf.grad is None else leaf.grad.cpu() for leaf in leaves]
 
 
-def _mirror(live, name: str, i: int, groups: list, cls: type, defaults: dict) -> None:
+def _mirror(live, name: str, i: int, groups: list, cls: type, defaults: dict,
+            device: str = "cpu") -> None:
     placed = live.catalog[name]
+    _settled_on(placed, device)
     params = dict(placed.module.named_parameters())
     placed.mirrors[i] = cls([{**hyper, "params": [params[n] for n in names]}
                              for names, hyper in groups], **defaults)
@@ -142,13 +195,32 @@ def _run_ops(live, name: str, ops: list) -> None:
     _apply(live.catalog[name], ops)
 
 
+def _norms(live, name: str, i: int, norm_type: float, ops: list) -> dict:
+    placed = live.catalog[name]
+    _apply(placed, ops)
+    names = {id(p): n for n, p in placed.module.named_parameters()}
+    return {names[id(p)]: torch._foreach_norm([p.grad], norm_type)[0].cpu()
+            for p in _params(placed.mirrors[i]) if p.grad is not None}
+
+
+def _unscale(live, name: str, i: int, inv: torch.Tensor, ops: list) -> torch.Tensor:
+    placed = live.catalog[name]
+    _apply(placed, ops)
+    grads = _grads(placed.mirrors[i])
+    dev = grads[0].device if grads else torch.device("cpu")
+    found = torch.zeros(1, device=dev)
+    if grads:  # what GradScaler.unscale_ does to each gradient, in place
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(dev))
+    return found.cpu()
+
+
 def _state(live, name: str, ops: list) -> dict:
     placed = live.catalog[name]
     _apply(placed, ops)
     names = {id(p): n for n, p in placed.module.named_parameters()}
-    optim = {i: {names[id(p)]: copy.deepcopy(st) for p, st in opt.state.items()}
+    optim = {i: {names[id(p)]: _on_cpu(st) for p, st in opt.state.items()}
              for i, opt in placed.mirrors.items()}
-    weights = {k: v.detach().clone() for k, v in placed.module.state_dict().items()}
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in placed.module.state_dict().items()}
     return {"weights": weights, "optimizers": optim}
 
 
@@ -159,6 +231,14 @@ def _load_optimizer(live, name: str, i: int, by_name: dict) -> None:
     sd = opt.state_dict()
     sd["state"] = {k: by_name[n] for k, n in enumerate(order) if n in by_name}
     opt.load_state_dict(sd)
+
+
+def _on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    return copy.deepcopy(value)
 
 
 def _copy_into(module: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
@@ -190,8 +270,16 @@ class _Remote(torch.autograd.Function):
 class Link:
     """The module here, standing in for the one placed on ``host``: calls go there."""
 
-    def __init__(self, step: Any, name: str, module: torch.nn.Module, host: str):
+    def __init__(self, step: Any, name: str, module: torch.nn.Module, host: str,
+                 here: torch.device | None = None):
         self.step, self.name, self.module, self.host = step, name, module, host
+        # where the model's other half computes, and where the placed module computes
+        self.here = torch.device(here or "cpu")
+        self.device = step.runtime.peers[host].device if step.runtime.peers.get(host) else "cpu"
+        if self.here.type != "cpu" or self.device != "cpu":
+            log.info("module %r computes on %s on worker %r, the rest on %s here: tensors cross "
+                     "through the CPU (moved at the boundary)", name, self.device, host,
+                     self.here)
         self.calls = itertools.count()
         self.ops: list = []  # steps, zero_grads, modes, writes: sent with the next call
         self.modes: tuple | None = None
@@ -227,16 +315,22 @@ class Link:
         flat, spec = tree_flatten((args, kwargs))
         grad = torch.is_grad_enabled()
         needs = [grad and isinstance(t, torch.Tensor) and t.requires_grad for t in flat]
-        sent = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat]
+        sent = [_crossing(t) for t in flat]
         modes = tuple(m.training for m in self.module.modules())
         if modes != self.modes:
             self.ops.append(("modes", modes))
             self.modes = modes
         call = next(self.calls)
         ops, self.ops = self.ops, []
+        autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
+                    for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
         self.answer, out_spec, rng, pid = self.step.runtime.call(
             self.host, _call, self.name, call, sent, spec, needs, grad,
-            torch.is_inference_mode_enabled(), torch.get_rng_state(), ops)
+            torch.is_inference_mode_enabled(), torch.get_rng_state(), ops, autocast,
+            torch.get_default_dtype(), self.device)
+        here = self.here
+        if here.type != "cpu":
+            self.answer = [_moved(t, here) for t in self.answer]
         torch.set_rng_state(rng)  # what one piece's draws would have left it at
         self.step.ran.setdefault(self.name, Counter())[pid] += 1
         if not (grad and any(isinstance(t, torch.Tensor) and t.is_floating_point()
@@ -260,7 +354,8 @@ class Link:
         names = [names for _, names in groups]
         hyper = [_hyper(optimizer.param_groups[g]) for g, _ in groups]
         # the class travels by value where it must (cloudpickle pickles the call)
-        fn = functools.partial(_mirror, cls=type(optimizer), defaults=dict(optimizer.defaults))
+        fn = functools.partial(_mirror, cls=type(optimizer), defaults=dict(optimizer.defaults),
+                               device=self.device)
         self.step.runtime.call(self.host, fn, self.name, i, list(zip(names, hyper, strict=True)))
 
     def stepped(self, i: int, optimizer: torch.optim.Optimizer, groups: list) -> None:
@@ -270,6 +365,22 @@ class Link:
 
     def zeroed(self, i: int, set_to_none: bool) -> None:
         self.ops.append(("zero", i, set_to_none))
+
+    def clip_value(self, i: int, value: float) -> None:
+        self.ops.append(("clip_value", i, value))
+
+    def clip_mul(self, i: int, coef: torch.Tensor) -> None:
+        self.ops.append(("clip_mul", i, coef))
+
+    def norms(self, i: int, norm_type: float) -> dict:
+        """Each placed parameter's gradient norm over there (one round trip)."""
+        ops, self.ops = self.ops, []
+        return self.step.runtime.call(self.host, _norms, self.name, i, norm_type, ops)
+
+    def unscale(self, i: int, inv: torch.Tensor) -> torch.Tensor:
+        """Unscale the mirror's gradients as GradScaler does; answer its found_inf."""
+        ops, self.ops = self.ops, []
+        return self.step.runtime.call(self.host, _unscale, self.name, i, inv, ops)
 
     def flush(self) -> None:
         """Send what is queued (steps, zero_grads) now."""
@@ -302,6 +413,11 @@ class Link:
 
     def load_optimizer(self, i: int, by_name: dict) -> None:
         self.step.runtime.call(self.host, _load_optimizer, self.name, i, by_name)
+
+
+def _crossing(value: Any) -> Any:
+    # what RPC sends without device maps: detached CPU tensors
+    return value.detach().cpu() if isinstance(value, torch.Tensor) else value
 
 
 def _hyper(group: dict) -> dict:
