@@ -122,6 +122,15 @@ class Runtime:
         return self._rpc(p, f"calling {name}", _serve_fn("call"),
                          (self.session, dumps(fn), args, kw))
 
+    def call_async(self, host: str, fn, *args: Any) -> _Pending:
+        """``call`` without waiting: ``.result()`` answers (or raises WorkerError)."""
+        if host not in self.provisioned:
+            self.provision()
+        p = self.peers[host]
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        return _Pending(self, p, f"calling {name}",
+                        self._async(p, _serve_fn("call"), (self.session, dumps(fn), args, {})))
+
     def close(self) -> None:
         """Close this run's sessions and stop the workers nobody else uses (idempotent)."""
         if self.closed:

@@ -285,6 +285,7 @@ class Link:
         self.modes: tuple | None = None
         self.versions: dict[str, int] = {}
         self.fitting = False
+        self._inflight: list = []  # backwards sent and not yet answered
         self._previous = None
         self.needs: dict[int, list[bool]] = {}  # per call in flight: which arguments ask dL/d
         self._hooks: list = []
@@ -324,8 +325,8 @@ class Link:
         ops, self.ops = self.ops, []
         autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
                     for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-        self.answer, out_spec, rng, pid = self.step.runtime.call(
-            self.host, _call, self.name, call, sent, spec, needs, grad,
+        self.answer, out_spec, rng, pid = self._rpc(
+            _call, self.name, call, sent, spec, needs, grad,
             torch.is_inference_mode_enabled(), torch.get_rng_state(), ops, autocast,
             torch.get_default_dtype(), self.device)
         here = self.here
@@ -339,14 +340,32 @@ class Link:
         self.needs[call] = needs
         anchor = torch.empty(0, requires_grad=True)  # so the call is in the graph
         outs = iter(_Remote.apply(self, call, anchor,
-                                  *[t for t, need in zip(flat, needs, strict=False) if need]))
+                                  *[t for t, need in zip(flat, needs, strict=True) if need]))
         return tree_unflatten([next(outs) if isinstance(t, torch.Tensor) else t
                                for t in self.answer], out_spec)
 
     def _backward(self, call: int, grads: tuple) -> list:
         ops, self.ops = self.ops, []
-        back = self.step.runtime.call(self.host, _backward, self.name, call, list(grads), ops)
-        return [g for g, need in zip(back, self.needs.pop(call), strict=False) if need]
+        needs = self.needs.pop(call)
+        args = (_backward, self.name, call, [None if g is None else _crossing(g) for g in grads],
+                ops)
+        if not any(needs):
+            # nothing here waits for dL/d(arguments): the backward over there overlaps with
+            # the rest of this one; the next call to the worker waits for it first
+            self._inflight.append(self.step.runtime.call_async(self.host, *args))
+            return []
+        back = self._rpc(*args)
+        return [None if g is None else _moved(g, self.here)
+                for g, need in zip(back, needs, strict=True) if need]
+
+    def _rpc(self, fn: Any, *args: Any) -> Any:
+        self.settle()
+        return self.step.runtime.call(self.host, fn, *args)
+
+    def settle(self) -> None:
+        """Wait for the backwards still in flight over there (in order)."""
+        while self._inflight:
+            self._inflight.pop(0).result()
 
     # -- the optimizers over there ---------------------------------------------------------
     def mirror(self, i: int, optimizer: torch.optim.Optimizer, groups: list) -> None:
@@ -356,7 +375,7 @@ class Link:
         # the class travels by value where it must (cloudpickle pickles the call)
         fn = functools.partial(_mirror, cls=type(optimizer), defaults=dict(optimizer.defaults),
                                device=self.device)
-        self.step.runtime.call(self.host, fn, self.name, i, list(zip(names, hyper, strict=True)))
+        self._rpc(fn, self.name, i, list(zip(names, hyper, strict=True)))
 
     def stepped(self, i: int, optimizer: torch.optim.Optimizer, groups: list) -> None:
         """Optimizer ``i`` stepped here: its mirror steps over there, with its groups'
@@ -375,26 +394,26 @@ class Link:
     def norms(self, i: int, norm_type: float) -> dict:
         """Each placed parameter's gradient norm over there (one round trip)."""
         ops, self.ops = self.ops, []
-        return self.step.runtime.call(self.host, _norms, self.name, i, norm_type, ops)
+        return self._rpc(_norms, self.name, i, norm_type, ops)
 
     def unscale(self, i: int, inv: torch.Tensor) -> torch.Tensor:
         """Unscale the mirror's gradients as GradScaler does; answer its found_inf."""
         ops, self.ops = self.ops, []
-        return self.step.runtime.call(self.host, _unscale, self.name, i, inv, ops)
+        return self._rpc(_unscale, self.name, i, inv, ops)
 
     def flush(self) -> None:
         """Send what is queued (steps, zero_grads) now."""
         self.catch_writes()
         if self.ops:
             ops, self.ops = self.ops, []
-            self.step.runtime.call(self.host, _run_ops, self.name, ops)
+            self._rpc(_run_ops, self.name, ops)
 
     # -- the weights here -------------------------------------------------------------------
     def pull(self) -> dict:
         """Bring the weights here up to date; return the mirrors' states by parameter name."""
         self.catch_writes()
         ops, self.ops = self.ops, []
-        got = self.step.runtime.call(self.host, _state, self.name, ops)
+        got = self._rpc(_state, self.name, ops)
         _copy_into(self.module, got["weights"])
         self.remember()
         return got["optimizers"]
@@ -412,7 +431,7 @@ class Link:
             self.remember()
 
     def load_optimizer(self, i: int, by_name: dict) -> None:
-        self.step.runtime.call(self.host, _load_optimizer, self.name, i, by_name)
+        self._rpc(_load_optimizer, self.name, i, by_name)
 
 
 def _crossing(value: Any) -> Any:
