@@ -336,6 +336,36 @@ def gpu(out):
     torch.save(report, out)
 
 
+class NoSchedule(PlainAutoEncoder):
+    def configure_optimizers(self):
+        return torch.optim.Adam([{"params": self.encoder.parameters(), "lr": 3e-3},
+                                 {"params": self.decoder.parameters(), "lr": 1e-3}])
+
+
+def chosen(out):
+    """trains= on the drop-in route: the encoder trained over there by the optimizer the
+    user chose (Adam at 3e-3), against plain Lightning's Adam with that group's rate; and a
+    scheduler driving an optimizer that also holds the encoder: refused."""
+    from somatize import Refused
+    from somatize.torch import Split
+
+    pl.seed_everything(0)
+    _, plain_losses, plain = fit(NoSchedule(), "auto", digits(), max_epochs=1)
+    pl.seed_everything(0)
+    strategy = SomatizeStrategy(place={"encoder": "worker"},
+                                trains={"encoder": Split(torch.optim.Adam, lr=3e-3)})
+    _, split_losses, split = fit(NoSchedule(), strategy, digits(), max_epochs=1)
+    said = ""
+    try:
+        fit(PlainAutoEncoder(), SomatizeStrategy(
+            place={"encoder": "worker"}, trains={"encoder": Split(torch.optim.SGD, lr=0.1)}),
+            digits(), max_epochs=1)
+    except Refused as e:
+        said = str(e)
+    torch.save({"plain": (plain_losses, plain), "split": (split_losses, split),
+                "said": said}, out)
+
+
 def resumes(out):
     """The three resumes the test compares, in one process: plain from plain (the
     oracle: Lightning does not checkpoint the RNG), split from plain, plain from split."""

@@ -79,6 +79,14 @@ def test_a_worker_on_the_cpu_trains_exactly_and_one_given_a_missing_gpu_says_so(
     assert "worker 'worker'" in got["said"] and "'cuda:0' but has no GPU" in got["said"]
 
 
+def test_trains_chooses_the_optimizer_over_there_and_a_scheduler_it_cannot_follow_is_refused(
+        tmp_path):
+    got, _ = run(tmp_path, "chosen")
+    assert got["split"][0] == got["plain"][0]
+    assert all(torch.equal(got["split"][1][k], v) for k, v in got["plain"][1].items())
+    assert "scheduler (StepLR)" in got["said"] and "'encoder'" in got["said"]
+
+
 def test_a_checkpoint_written_under_the_strategy_is_plain_lightnings_and_resumes_both_ways(
         tmp_path):
     got, _ = run(tmp_path, "resumes", timeout=400)
@@ -118,6 +126,9 @@ def fit_here(model, strategy, **kw):
 def test_placing_a_missing_submodule_is_refused_with_the_names_nearby():
     with pytest.raises(Refused, match=r"place names 'encodr'.*\['encoder'"):
         fit_here(AutoEncoder(), SomatizeStrategy(place={"encodr": "worker"}))
+    with pytest.raises(Refused, match=r"trains names \['encoder.0'\], which are not placed"):
+        fit_here(AutoEncoder(), SomatizeStrategy(place={"encoder": "worker"},
+                                                 trains={"encoder.0": torch.optim.SGD}))
 
 
 class Tied(AutoEncoder):

@@ -45,8 +45,15 @@ class DropIn:
 
     def __init__(self, model: torch.nn.Module, place: Mapping[str, str],
                  optimizers: list, workers: Any = None, lightning_optimizers: list = (),
-                 precision: Any = None, here: Any = None):
+                 precision: Any = None, here: Any = None,
+                 trains: Mapping[str, Any] | None = None, schedulers: list = ()):
         self.modules = _resolve(model, place)
+        trains = dict(trains or {})
+        odd = sorted(set(trains) - set(self.modules))
+        if odd:
+            raise Refused(
+                f"trains names {odd}, which are not placed modules; with place= key trains by "
+                f"the placed modules' paths: {sorted(self.modules)}")
         _refuse_tied(model, self.modules)
         self.optimizers = list(optimizers)
         placed = {id(p) for m in self.modules.values() for p in m.parameters()}
@@ -66,8 +73,13 @@ class DropIn:
         # per (optimizer index, path): the optimizer's groups holding placed parameters,
         # with those parameters' names inside the module
         self.groups: dict[tuple[int, str], list] = {}
+        self.chosen: dict[str, list[int]] = {}  # path -> the optimizers here its trainer follows
+        for path, trainer in trains.items():
+            self._choose(path, trainer, schedulers)
         for i, opt in enumerate(self.optimizers):
             for path, m in self.modules.items():
+                if path in self.chosen:
+                    continue  # trained by the user's choice, not a mirror
                 names = {id(p): n for n, p in m.named_parameters()}
                 groups = [(gi, [names[id(p)] for p in g["params"] if id(p) in names])
                           for gi, g in enumerate(opt.param_groups)]
@@ -87,12 +99,45 @@ class DropIn:
                      "here are brought up to date at epoch ends, checkpoints and sync()",
                      path, type(m).__name__, n, place[path])
 
+    def _choose(self, path: str, trainer: Any, schedulers: list) -> None:
+        # the user's own optimizer for a placed module (trains={path: Split(Adam, lr=...)}):
+        # built over there, stepping and zeroing when the optimizers here that hold the
+        # module's parameters do (every optimizer, when none holds them)
+        from ..torch import Split
+
+        factory = trainer.factory if isinstance(trainer, Split) else trainer
+        if not callable(factory):
+            raise Refused(f"trains[{path!r}] is a {type(trainer).__name__}: give a Split "
+                          "(Split(torch.optim.Adam, lr=1e-3)) or an optimizer factory")
+        params = {id(p) for p in self.modules[path].parameters()}
+        holders = [i for i, o in enumerate(self.optimizers)
+                   if any(id(p) in params for g in o.param_groups for p in g["params"])]
+        led = [s for s in schedulers if any(s.optimizer is self.optimizers[i] for i in holders)]
+        if led:
+            raise Refused(
+                f"trains[{path!r}] chooses the optimizer over there, but a learning-rate "
+                f"scheduler ({type(led[0]).__name__}) drives an optimizer here that also holds "
+                f"{path!r}'s parameters: yours would not follow it. Leave {path!r}'s "
+                "parameters out of that optimizer, or drop trains= to have mirrors follow it")
+        self.chosen[path] = holders or list(range(len(self.optimizers)))
+        self.links[path].choose(factory)
+
+    def chosen_states(self) -> dict[str, Any]:
+        """The chosen optimizers' states over there, by placed path."""
+        return {p: self.links[p].chosen_state() for p in self.chosen}
+
+    def load_chosen_states(self, states: Mapping[str, Any]) -> None:
+        for p, state in states.items():
+            if p in self.chosen:
+                self.links[p].load_chosen(state)
+
     def _zero_grads(self, wrappers: list) -> None:
         # zero_grad reaches the mirrors: with two optimizers stepped at different rates, a
         # gradient left over there must be cleared when the user clears it here
         self._patched = []
         for i, opt in enumerate(self.optimizers):
             paths = [p for (j, p) in self.groups if j == i]
+            paths += [p for p, led in self.chosen.items() if i in led]
             if not paths:
                 continue
             for target in [opt, *[w for w in wrappers if getattr(w, "_optimizer", None) is opt]]:
@@ -209,6 +254,9 @@ class DropIn:
         for (j, path), groups in self.groups.items():
             if j == i:
                 self.links[path].stepped(i, self.optimizers[i], groups)
+        for path, led in self.chosen.items():
+            if i in led:
+                self.links[path].ops.append(("step", "chosen", None))
 
     def sync(self) -> dict[tuple[int, str], dict]:
         """Bring the weights here up to date; return the mirrors' states by parameter name."""

@@ -63,6 +63,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
     Args:
         trains: ``{node_id: Learning}`` (a ``Split``, or an optimizer factory such as
             ``functools.partial(SGD, lr=0.1)``) for the placed nodes to train where they run.
+            With ``place=``, keyed by placed module paths: the optimizer that trains that
+            module over there instead of mirrors of Lightning's.
             ``None``: every placed node with parameters gets a ``Split`` mirroring the local
             optimizer that holds them (same class and hyper-parameters).
         workers: ``{host: Worker}`` (``Worker.at("node3:7000")`` for a standing worker,
@@ -80,13 +82,6 @@ class SomatizeStrategy(SingleDeviceStrategy):
                  store: Any = None, place: Mapping[str, str] | None = None, **kwargs: Any):
         super().__init__(device=torch.device("cpu"), **kwargs)  # Lightning's, at setup
         self.place = dict(place or {})
-        if self.place and trains is not None:
-            raise Refused(
-                "SomatizeStrategy(place=..., trains=...): on the drop-in route the placed "
-                "modules are trained over there by mirrors of your optimizers (same class, "
-                "same param groups, following your schedulers); choosing another optimizer "
-                "for them is not supported yet. Drop trains=, or use the graph route "
-                "(GraphModule) with trains=")
         self.dropin: DropIn | None = None
         self._placed_ran: dict = {}
         self.trains = dict(trains) if trains is not None else None
@@ -137,15 +132,23 @@ class SomatizeStrategy(SingleDeviceStrategy):
         if self.dropin is not None:
             self.dropin.close(pull=not self._broken)
             self.dropin = None
+        if self.place and self.trains and trainer.training and (
+                trainer.gradient_clip_val or getattr(self.precision_plugin, "scaler", None)):
+            raise Refused(
+                "SomatizeStrategy(place=..., trains=...) with gradient clipping or a loss "
+                "scaler: the optimizer you chose over there sees neither the norm nor the "
+                "scale. Drop trains= (mirrors of your optimizers clip and unscale as one piece "
+                "would), or train without them")
         if self.place:
             self.dropin = DropIn(model, self.place, self.optimizers, self.workers,
                                  self._lightning_optimizers, self.precision_plugin,
-                                 self.root_device)
+                                 self.root_device, trains=self.trains or {},
+                                 schedulers=[c.scheduler for c in self.lr_scheduler_configs])
             self.dropin.fitting(trainer.training)
             if not any(isinstance(c, _SyncAtEpochEnd) for c in trainer.callbacks):
                 trainer.callbacks.insert(0, _SyncAtEpochEnd())  # before the user's own
         named = {name: m for name, m in model.named_modules() if isinstance(m, GraphModule)}
-        trains = self._trains(model, trainer) if trainer.training else {}
+        trains = self._trains(model, trainer) if trainer.training and not self.place else {}
         if trains:
             self._graph_route_limits(trainer)
         old, self.runs = self.runs, {}
@@ -319,6 +322,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
         states = self.pull_weights()
         if states:
             checkpoint["somatize"] = {"trainers": states}
+        if self.dropin is not None and self.dropin.chosen and not self._broken:
+            checkpoint.setdefault("somatize", {})["chosen"] = self.dropin.chosen_states()
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
@@ -326,6 +331,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
         super().load_optimizer_state_dict(checkpoint)
         if self.dropin is not None:
             self.dropin.load_optimizer_states(list(checkpoint.get("optimizer_states", [])))
+            self.dropin.load_chosen_states(checkpoint.get("somatize", {}).get("chosen", {}))
         for name, states in checkpoint.get("somatize", {}).get("trainers", {}).items():
             if name in self.runs:
                 self.runs[name].load_state({n: {"trainer": st} for n, st in states.items()})

@@ -87,7 +87,7 @@ def _apply(placed: Placed, ops: list) -> None:
         if op[0] == "step":
             _, i, groups = op
             opt = placed.mirrors[i]
-            for group, hyper in zip(opt.param_groups, groups, strict=True):
+            for group, hyper in zip(opt.param_groups, groups or [], strict=bool(groups)):
                 group.update(hyper)
             opt.step()
         elif op[0] == "zero":
@@ -191,6 +191,21 @@ def _mirror(live, name: str, i: int, groups: list, cls: type, defaults: dict,
                              for names, hyper in groups], **defaults)
 
 
+def _choose(live, name: str, factory: Any) -> None:
+    placed = live.catalog[name]
+    placed.mirrors["chosen"] = factory([p for p in placed.module.parameters() if p.requires_grad])
+
+
+def _chosen_state(live, name: str, ops: list) -> dict:
+    placed = live.catalog[name]
+    _apply(placed, ops)
+    return _on_cpu(placed.mirrors["chosen"].state_dict())
+
+
+def _load_chosen(live, name: str, state: dict) -> None:
+    live.catalog[name].mirrors["chosen"].load_state_dict(state)
+
+
 def _run_ops(live, name: str, ops: list) -> None:
     _apply(live.catalog[name], ops)
 
@@ -285,6 +300,7 @@ class Link:
         self.modes: tuple | None = None
         self.versions: dict[str, int] = {}
         self.fitting = False
+        self.chosen = False  # trained over there by the user's choice, not by mirrors
         self._inflight: list = []  # backwards sent and not yet answered
         self._previous = None
         self.needs: dict[int, list[bool]] = {}  # per call in flight: which arguments ask dL/d
@@ -383,7 +399,19 @@ class Link:
         self.ops.append(("step", i, [_hyper(optimizer.param_groups[g]) for g, _ in groups]))
 
     def zeroed(self, i: int, set_to_none: bool) -> None:
-        self.ops.append(("zero", i, set_to_none))
+        self.ops.append(("zero", "chosen" if self.chosen else i, set_to_none))
+
+    def choose(self, factory: Any) -> None:
+        """Train the module over there with ``factory(parameters)`` (the user's choice)."""
+        self.chosen = True
+        self._rpc(functools.partial(_choose, factory=factory), self.name)  # by value if need be
+
+    def chosen_state(self) -> dict:
+        ops, self.ops = self.ops, []
+        return self._rpc(_chosen_state, self.name, ops)
+
+    def load_chosen(self, state: dict) -> None:
+        self._rpc(_load_chosen, self.name, state)
 
     def clip_value(self, i: int, value: float) -> None:
         self.ops.append(("clip_value", i, value))
