@@ -102,3 +102,15 @@ class Sleepy(Node):
         os.replace(self.path + ".tmp", self.path)
         time.sleep(self.seconds)
         return Done(x)
+
+
+class Holding(Node):
+    """Holds a lock (it does not pickle) and answers its input plus one."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def forward(self, x, ctx):
+        with self.lock:
+            return Done(Opaque(x + 1))
+

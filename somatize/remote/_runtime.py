@@ -1,7 +1,7 @@
 """A runtime: the workers one Graph (or Trainer) runs on, with its own session on each.
 
     rt = runtime_for(g, {"gpu": Worker.at("127.0.0.1:7000")})
-    rt.provision(g)                      # the whole graph, to every worker
+    rt.provision(g)                      # each worker its own nodes, and the graph's ids
     rt.submit(stretch).result()          # an Outcome; what cannot travel is Left
     rt.call("gpu", lambda live: live["body"].lin.weight.clone())
     rt.close()
@@ -21,7 +21,7 @@ from .._errors import SomatizeError, WorkerError
 from .._node import kind_of
 from ._group import Peer, group
 from ._serve import Failed
-from ._wire import dumps
+from ._wire import dumps, graph_for
 from ._worker import Worker
 
 log = logging.getLogger(__name__)
@@ -87,15 +87,17 @@ class Runtime:
         return self._graph()
 
     def provision(self, graph=None) -> None:
-        """Send the whole graph to every worker it uses; refused over a different catalog."""
+        """Send each worker the nodes placed on it and the graph's identity (ids, kinds,
+        edges, placement, memory); refused over a different catalog, and before anything
+        starts for a placed node that does not pickle."""
         if graph is not None and graph is not self.graph:
             self._graph, self.provisioned = weakref.ref(graph), set()
             self.hosts = tuple(dict.fromkeys([*self.hosts, *graph.placement.workers()]))
         graph = self.graph
         catalog = {n: kind_of(o) for n, o in graph.catalog.items()}
-        blob = dumps(graph)
+        blobs = {h: graph_for(graph, h) for h in self.hosts}
         peers = self.start()
-        futs = [(p, self._async(p, _serve_fn("provision"), (self.session, blob, catalog)))
+        futs = [(p, self._async(p, _serve_fn("provision"), (self.session, blobs[p.host], catalog)))
                 for p in peers]
         for p, f in futs:
             self._answer(p, "provisioning the graph", f)

@@ -1,0 +1,71 @@
+"""Nothing wrong, nothing leaked: a lost worker is named on every later call, a node that
+never leaves here need not pickle, and Ctrl-C stops a run at once, leaving no process.
+The coordinators are functions of ``remote_scripts``, each run in a process of its own."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from models import Body, Head, Holding
+from remote_run import env
+
+from somatize import Graph, Refused
+from somatize.remote import runtime_for
+from somatize.remote._group import group
+from somatize.torch import Split, Trainer, parameters
+
+
+def start(call: str, cwd) -> subprocess.Popen:
+    """``remote_scripts.<call>`` in a coordinator process of its own."""
+    return subprocess.Popen([sys.executable, "-c", f"import remote_scripts; remote_scripts.{call}"],
+                            cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def said(call: str, cwd, timeout: float = 120) -> dict:
+    """Run ``remote_scripts.<call>`` to its end; everything it said, in one dict."""
+    proc = start(call, cwd)
+    out, err = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, f"rc={proc.returncode}\n{out}\n{err[-4000:]}"
+    got: dict = {}
+    for line in out.splitlines():
+        got.update(json.loads(line))
+    return got
+
+
+def test_a_node_that_does_not_pickle_runs_here_beside_a_placed_one(tmp_path):
+    got = said("unpicklable_here()", tmp_path)
+    assert got["forward"] is True and got["losses"] is True and got["weights"] is True, got
+    # the trainer travelled with its node, one object in both its positions; the rest
+    # of the catalog stands there by id and kind alone
+    assert got["there"] == {"one_trainer": True, "trains_its_node": True,
+                            "elsewhere": ["head", "holding"]}, got
+
+
+def test_a_placed_node_that_does_not_pickle_is_refused_naming_it_before_anything_starts():
+    # refused before RPC starts: nothing here needs a process of its own
+    g = Graph.somatize(Body().at("gpu") >> Holding().at("gpu") >> Head())
+    with pytest.raises(Refused) as e:
+        g.forward(torch.zeros(2, 8))
+    msg = str(e.value)
+    assert "node 'holding' (Holding)" in msg and "worker 'gpu'" in msg, msg
+    assert "does not pickle" in msg and "_thread.lock" in msg, msg
+    assert runtime_for(g).peers == {} and not group().started
+    g.close()
+
+
+def test_a_trainer_that_does_not_pickle_is_refused_naming_its_node():
+    g = Graph.somatize(Body().at("gpu") >> Head())
+    trainer = Split(torch.optim.SGD, lr=0.1)
+    trainer.lock = Holding().lock  # what it keeps does not pickle
+    trains = {"body": trainer}
+    with pytest.raises(Refused) as e:
+        Trainer(g, torch.nn.functional.cross_entropy,
+                torch.optim.SGD(parameters(g, without=trains), lr=0.1), trains=trains)
+    msg = str(e.value)
+    assert "the trainer of node 'body' (Split)" in msg and "worker 'gpu'" in msg, msg
+    assert not group().started
