@@ -2,21 +2,26 @@
 its own (RPC starts once per process) and says what it saw on stdout, one JSON object a
 line, for the test to read.
 
-    python -c "import remote_scripts; remote_scripts.unpicklable_here()"
+    python -c "import remote_scripts; remote_scripts.lost_worker()"
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
+import time
 
 import torch
-from models import Body, Head, Holding
+from models import Body, Head, Holding, Sleepy
 from split_nodes import same
 from torch.nn.functional import cross_entropy
 
 from somatize import Graph, SomatizeError
 from somatize._learning import COMPUTES, IN, Position
 from somatize._node import kind_of
+from somatize.remote import Worker, runtime_for
 from somatize.torch import Split, Trainer, parameters
 
 
@@ -37,6 +42,45 @@ def error_of(fn) -> dict:
         return {"error": type(e).__name__, "somatize": isinstance(e, SomatizeError),
                 "message": str(e)}
     return {"error": None}
+
+
+def _kill_when_written(path: str) -> None:
+    def kill():
+        for _ in range(3000):
+            if os.path.exists(path):
+                os.kill(int(open(path).read()), signal.SIGKILL)
+                return
+            time.sleep(0.01)
+
+    threading.Thread(target=kill, daemon=True).start()
+
+
+def lost_worker() -> None:
+    """A worker killed in the middle of a call: that call, and every later call to it
+    (a forward, a call, a provision), raises WorkerError naming it; a close and a new
+    run start afresh."""
+    _kill_when_written("pid.txt")
+    g = Graph.somatize(Body().at("gpu") >> Sleepy("pid.txt", 60).at("gpu") >> Head())
+    say(during=error_of(lambda: g.forward(x(), workers={"gpu": Worker.embedded(timeout=30)})))
+    say(forward=error_of(lambda: g.forward(x())))
+    say(call=error_of(lambda: runtime_for(g).call("gpu", lambda live: 1)))
+    say(provision=error_of(lambda: g.provision()))
+    say(pid=int(open("pid.txt").read()))
+    g.close()
+    with Graph.somatize(Body().at("gpu") >> Head()) as g2:
+        say(again=torch.equal(g2.forward(x()), Graph.somatize(Body() >> Head()).forward(x())))
+
+
+def lost_while_idle() -> None:
+    """A worker killed between two runs: the next forwards raise WorkerError naming it."""
+    g = Graph.somatize(Body().at("gpu") >> Head())
+    g.forward(x())
+    pid = runtime_for(g).peers["gpu"].pid
+    os.kill(pid, signal.SIGKILL)
+    time.sleep(0.5)
+    say(first=error_of(lambda: g.forward(x())), second=error_of(lambda: g.forward(x())),
+        pid=pid)
+    g.close()
 
 
 def _over_there(live) -> dict:

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 from models import Body, Head, Holding
-from remote_run import env
+from remote_run import env, no_worker_left
 
 from somatize import Graph, Refused
 from somatize.remote import runtime_for
@@ -35,6 +35,27 @@ def said(call: str, cwd, timeout: float = 120) -> dict:
     for line in out.splitlines():
         got.update(json.loads(line))
     return got
+
+
+def test_every_call_to_a_lost_worker_raises_worker_error_naming_it(tmp_path):
+    got = said("lost_worker()", tmp_path)
+    assert got["during"]["error"] == "WorkerError", got
+    assert "was lost while running" in got["during"]["message"], got
+    for call in ("forward", "call", "provision"):  # not RuntimeError: unknown destination
+        e = got[call]
+        assert e["error"] == "WorkerError", (call, e)
+        assert "worker 'gpu'" in e["message"] and "state over there is gone" in e["message"], e
+        assert "close" in e["message"], e
+    assert got["again"] is True
+    assert no_worker_left([got["pid"]])
+
+
+def test_a_worker_lost_between_two_runs_is_named_on_every_later_one(tmp_path):
+    got = said("lost_while_idle()", tmp_path)
+    for e in (got["first"], got["second"]):
+        assert e["error"] == "WorkerError" and "worker 'gpu'" in e["message"], e
+        assert "state over there is gone" in e["message"], e
+    assert no_worker_left([got["pid"]])
 
 
 def test_a_node_that_does_not_pickle_runs_here_beside_a_placed_one(tmp_path):

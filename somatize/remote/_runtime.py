@@ -97,10 +97,12 @@ class Runtime:
         catalog = {n: kind_of(o) for n, o in graph.catalog.items()}
         blobs = {h: graph_for(graph, h) for h in self.hosts}
         peers = self.start()
-        futs = [(p, self._async(p, _serve_fn("provision"), (self.session, blobs[p.host], catalog)))
+        what = "provisioning the graph"
+        futs = [(p, self._async(p, _serve_fn("provision"),
+                                (self.session, blobs[p.host], catalog), what))
                 for p in peers]
         for p, f in futs:
-            self._answer(p, "provisioning the graph", f)
+            self._answer(p, what, f)
             self.provisioned.add(p.host)
 
     def submit(self, stretch) -> _Pending:
@@ -109,7 +111,8 @@ class Runtime:
             self.provision()
         p = self.peers[stretch.host]
         what = f"running {', '.join(map(str, stretch.nodes))}"
-        return _Pending(self, p, what, self._async(p, _serve_fn("run"), (self.session, stretch)))
+        return _Pending(self, p, what,
+                        self._async(p, _serve_fn("run"), (self.session, stretch), what))
 
     def call(self, host: str, fn, *args: Any, **kw: Any) -> Any:
         """Run ``fn(live_graph, *args, **kw)`` on ``host``'s worker and return its result."""
@@ -147,13 +150,19 @@ class Runtime:
         self.close()
 
     # -- calls --------------------------------------------------------------------
-    def _async(self, p: Peer, fn, args: tuple):
+    def _async(self, p: Peer, fn, args: tuple, what: str):
         import torch.distributed.rpc as rpc
 
-        return rpc.rpc_async(p.name, fn, args=args, timeout=self.timeout[p.host])
+        if p.why_dead() is not None:
+            raise self._lost(p, what)
+        try:
+            fut = rpc.rpc_async(p.name, fn, args=args, timeout=self.timeout[p.host])
+        except Exception as e:  # raised at once: the agent no longer knows the worker
+            raise self._failure(p, what, e) from None
+        return fut
 
     def _rpc(self, p: Peer, what: str, fn, args: tuple) -> Any:
-        return self._answer(p, what, self._async(p, fn, args))
+        return self._answer(p, what, self._async(p, fn, args, what))
 
     def _answer(self, p: Peer, what: str, fut) -> Any:
         try:
@@ -164,6 +173,13 @@ class Runtime:
             raise _raised_over_there(p, what, got)
         return got
 
+    def _lost(self, p: Peer, what: str) -> WorkerError:
+        return WorkerError(
+            f"worker {p.host!r} ({p.kind}, pid {p.pid}) was lost before {what}: {p.dead}. "
+            "Its state over there is gone; close the graph or trainer (.close()) and run "
+            "again, which starts a fresh worker"
+        )
+
     def _failure(self, p: Peer, what: str, e: Exception) -> WorkerError:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         dead = p.why_dead()
@@ -173,7 +189,7 @@ class Runtime:
                 f"raise its timeout (Worker(timeout=...)) if that is expected ({msg})"
             )
         if dead is None:
-            dead = f"it is unreachable ({msg})"
+            dead = p.dead = f"it is unreachable ({msg})"
         group().forget(p)
         return WorkerError(
             f"worker {p.host!r} ({p.kind}, pid {p.pid}) was lost while {what}: {dead}. "
