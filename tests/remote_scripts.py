@@ -14,7 +14,7 @@ import threading
 import time
 
 import torch
-from models import Body, Head, Holding, Sleepy
+from models import Body, Head, Holding, Nap, Sleepy
 from split_nodes import same
 from torch.nn.functional import cross_entropy
 
@@ -110,3 +110,24 @@ def unpicklable_here() -> None:
         say(losses=a.fit(data, progress=False) == b.fit(data, progress=False),
             weights=same(a.state_dict()["nodes"], b.state_dict()["nodes"]),
             there=b._step.runtime.call("gpu", _over_there))
+
+
+def interrupted(where: str, path: str) -> None:
+    """Run until interrupted: a remote node sleeps 60 s (writing its worker's pid to
+    ``path``) under a plain forward (``where="forward"``), a fit (``"fit"``), or beside a
+    node sleeping here (``"here"``)."""
+    # started in the background, a process inherits SIGINT ignored: be a terminal's process
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if where == "forward":
+        Graph.somatize(Body().at("gpu") >> Sleepy(path, 60).at("gpu") >> Head()).forward(x())
+    elif where == "here":
+        Graph.somatize(Sleepy(path, 60).at("gpu") | Nap(60)).forward(x())
+    else:
+        # interrupted in its second step, when the first one's gradient is owed over there
+        g = Graph.somatize(Body().at("gpu") >> Sleepy(path, 60, skip=1).at("gpu") >> Head())
+        trains = {"body": Split(torch.optim.SGD, lr=0.1)}
+        data = [(x(), torch.tensor([0, 1, 2, 0, 1]))] * 3
+        with Trainer(g, cross_entropy, torch.optim.SGD(parameters(g, without=trains), lr=0.1),
+                     trains=trains) as t:
+            t.fit(data, progress=False)
+    raise SystemExit("never interrupted")

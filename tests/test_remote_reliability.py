@@ -5,8 +5,10 @@ The coordinators are functions of ``remote_scripts``, each run in a process of i
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -90,3 +92,38 @@ def test_a_trainer_that_does_not_pickle_is_refused_naming_its_node():
     msg = str(e.value)
     assert "the trainer of node 'body' (Split)" in msg and "worker 'gpu'" in msg, msg
     assert not group().started
+
+
+def _interrupt(tmp_path, where: str) -> tuple[float, str, int]:
+    """Start ``interrupted(where)``, SIGINT it once its remote node sleeps; answer the
+    seconds it took to exit, its stderr and the worker's pid."""
+    pid_file = tmp_path / "pid.txt"
+    proc = start(f"interrupted({where!r}, {str(pid_file)!r})", tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        while not pid_file.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the remote node never ran"
+            time.sleep(0.05)
+        time.sleep(0.5)  # the coordinator is waiting (or napping, "here") by now
+        t = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return took, err, int(pid_file.read_text())
+
+
+@pytest.mark.parametrize("where", ["forward", "fit", "here"])
+def test_ctrl_c_stops_a_run_at_once_and_leaves_no_worker(tmp_path, where):
+    took, err, worker = _interrupt(tmp_path, where)
+    assert "KeyboardInterrupt" in err, err[-3000:]
+    assert took < 5, f"{took:.1f} s to stop\n{err[-3000:]}"
+    assert no_worker_left([worker]), err[-3000:]
+    # nothing failed on the way out: no second error, no hang at exit
+    assert "During handling" not in err and "WorkerError" not in err, err[-3000:]
+    assert "Traceback" not in err.split("KeyboardInterrupt")[-1], err[-3000:]
+

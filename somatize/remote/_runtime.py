@@ -39,7 +39,9 @@ class Runtime:
         self.timeout: dict[str, float] = {}  # per host, as this run's Worker says
         self.provisioned: set[str] = set()
         self.closed = False
+        self.ended = "it was closed"  # why it is closed, once it is
         self._lock = threading.Lock()
+        self._flying: list[tuple[Peer, Any]] = []  # calls sent and perhaps not answered
         group().runtimes.add(self)
 
     # -- workers ------------------------------------------------------------------
@@ -62,7 +64,8 @@ class Runtime:
     def start(self, hosts=None) -> list[Peer]:
         """Start (or reuse) the workers of ``hosts`` (default: every host the graph uses)."""
         if self.closed:
-            raise WorkerError("this runtime is closed: run the graph again to start a new one")
+            raise WorkerError(f"this run is over ({self.ended}): run the graph again (a new "
+                              "Trainer) to start a new one")
         with self._lock:
             hosts = list(hosts if hosts is not None else self.hosts)
             fresh = [h for h in hosts if h not in self.peers]
@@ -107,6 +110,8 @@ class Runtime:
 
     def submit(self, stretch) -> _Pending:
         """Send a stretch to its worker; ``.result()`` is its Outcome."""
+        if self.closed:
+            raise self._ended(stretch.host)
         if stretch.host not in self.provisioned:
             self.provision()
         p = self.peers[stretch.host]
@@ -116,6 +121,8 @@ class Runtime:
 
     def call(self, host: str, fn, *args: Any, **kw: Any) -> Any:
         """Run ``fn(live_graph, *args, **kw)`` on ``host``'s worker and return its result."""
+        if self.closed:
+            raise self._ended(host)
         if host not in self.provisioned:
             self.provision()
         if host not in self.peers:
@@ -127,13 +134,21 @@ class Runtime:
                          (self.session, dumps(fn), args, kw))
 
     def close(self) -> None:
-        """Close this run's sessions and stop the workers nobody else uses (idempotent)."""
+        """Close this run's sessions and stop the workers nobody else uses (idempotent).
+
+        Nothing in flight is waited for: a worker still busy with this run's call (an
+        exception or Ctrl-C here left it) is stopped at once when no other run uses it."""
         if self.closed:
             return
         self.closed = True
         import torch.distributed.rpc as rpc
 
+        busy = {p.host for p, f in self._flying if not f.done()}
+        self._flying.clear()
         for p in self.peers.values():
+            if p.host in busy and p.users <= 1:
+                group().kill(p, "it was stopped in the middle of a call, when its run closed")
+                continue
             if p.why_dead() is None and group().started:
                 try:
                     rpc.rpc_sync(p.name, _serve_fn("close"), args=(self.session,),
@@ -141,6 +156,17 @@ class Runtime:
                 except Exception as e:
                     log.warning("worker %r: closing session: %s", p.host, e)
             group().release(p)
+        self.peers.clear()
+
+    def abort(self, why: str) -> None:
+        """Stop this run's workers now, waiting for nothing (Ctrl-C): embedded processes
+        are killed, standing ones' runs ended by their daemons (idempotent)."""
+        if self.closed:
+            return
+        self.closed, self.ended = True, why
+        self._flying.clear()
+        for p in self.peers.values():
+            group().kill(p, why)
         self.peers.clear()
 
     def __enter__(self) -> Runtime:
@@ -159,6 +185,8 @@ class Runtime:
             fut = rpc.rpc_async(p.name, fn, args=args, timeout=self.timeout[p.host])
         except Exception as e:  # raised at once: the agent no longer knows the worker
             raise self._failure(p, what, e) from None
+        self._flying = [(q, f) for q, f in self._flying if not f.done()]
+        self._flying.append((p, fut))
         return fut
 
     def _rpc(self, p: Peer, what: str, fn, args: tuple) -> Any:
@@ -166,12 +194,19 @@ class Runtime:
 
     def _answer(self, p: Peer, what: str, fut) -> Any:
         try:
-            got = fut.wait()
+            got = _wait(fut)
+        except KeyboardInterrupt:
+            self.abort("it was stopped when this process was interrupted (Ctrl-C)")
+            raise
         except Exception as e:
             raise self._failure(p, what, e) from None
         if isinstance(got, Failed):
             raise _raised_over_there(p, what, got)
         return got
+
+    def _ended(self, host: str) -> WorkerError:
+        return WorkerError(f"worker {host!r}: this run is over ({self.ended}); its state over "
+                           "there is gone. Run the graph again (a new Trainer) to start anew")
 
     def _lost(self, p: Peer, what: str) -> WorkerError:
         return WorkerError(
@@ -205,6 +240,17 @@ class _Pending:
 
     def result(self):
         return self.rt._answer(self.peer, self.what, self.fut)
+
+
+def _wait(fut) -> Any:
+    """``fut.wait()``, in slices the main thread can be interrupted between (Ctrl-C):
+    a bare wait blocks in C until the call answers or times out."""
+    if not fut.done():
+        answered = threading.Event()
+        fut.add_done_callback(lambda _: answered.set())
+        while not answered.wait(0.2):
+            pass
+    return fut.wait()
 
 
 def _raised_over_there(p: Peer, what: str, f: Failed) -> SomatizeError:
