@@ -41,7 +41,7 @@ class Runtime:
         self.closed = False
         self.ended = "it was closed"  # why it is closed, once it is
         self._lock = threading.Lock()
-        self._flying: list[tuple[Peer, Any]] = []  # calls sent and perhaps not answered
+        self._flying: dict[int, tuple[Peer, Any]] = {}  # calls sent, not yet read
         group().runtimes.add(self)
 
     # -- workers ------------------------------------------------------------------
@@ -143,7 +143,7 @@ class Runtime:
         self.closed = True
         import torch.distributed.rpc as rpc
 
-        busy = {p.host for p, f in self._flying if not f.done()}
+        busy = {p.host for p, f in self._flying.values() if not f.done()}
         self._flying.clear()
         for p in self.peers.values():
             if p.host in busy and p.users <= 1:
@@ -185,8 +185,9 @@ class Runtime:
             fut = rpc.rpc_async(p.name, fn, args=args, timeout=self.timeout[p.host])
         except Exception as e:  # raised at once: the agent no longer knows the worker
             raise self._failure(p, what, e) from None
-        self._flying = [(q, f) for q, f in self._flying if not f.done()]
-        self._flying.append((p, fut))
+        if len(self._flying) > 64:  # calls nobody read (a walk that raised): forget the done
+            self._flying = {k: pf for k, pf in self._flying.items() if not pf[1].done()}
+        self._flying[id(fut)] = (p, fut)
         return fut
 
     def _rpc(self, p: Peer, what: str, fn, args: tuple) -> Any:
@@ -200,6 +201,8 @@ class Runtime:
             raise
         except Exception as e:
             raise self._failure(p, what, e) from None
+        finally:
+            self._flying.pop(id(fut), None)
         if isinstance(got, Failed):
             raise _raised_over_there(p, what, got)
         return got
