@@ -91,14 +91,40 @@ class Boom(Node):
 
 
 class Sleepy(Node):
-    """Writes its pid to ``path`` and sleeps: a node to kill a worker in the middle of."""
+    """Writes its pid to ``path`` and sleeps: a node to kill a worker in the middle of.
+    Its first ``skip`` runs go straight through."""
 
-    def __init__(self, path: str, seconds: float = 60.0):
-        self.path, self.seconds = path, seconds
+    def __init__(self, path: str, seconds: float = 60.0, skip: int = 0):
+        self.path, self.seconds, self.skip = path, seconds, skip
 
     def forward(self, x, ctx):
+        if self.skip > 0:
+            self.skip -= 1
+            return Done(x)
         with open(self.path + ".tmp", "w") as f:
             f.write(str(os.getpid()))
         os.replace(self.path + ".tmp", self.path)
+        time.sleep(self.seconds)
+        return Done(x)
+
+
+class Holding(Node):
+    """Holds a lock (it does not pickle) and answers its input plus one."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+
+    def forward(self, x, ctx):
+        with self.lock:
+            return Done(Opaque(x + 1))
+
+
+class Nap(Node):
+    """Sleeps here, in the coordinator: a node to interrupt the coordinator in."""
+
+    def __init__(self, seconds: float = 60.0):
+        self.seconds = seconds
+
+    def forward(self, x, ctx):
         time.sleep(self.seconds)
         return Done(x)

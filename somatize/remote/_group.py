@@ -206,6 +206,20 @@ class Group:
             if p.users <= 0 and p.kind != "torchrun":
                 self.stop(p)
 
+    def kill(self, p: Peer, why: str) -> None:
+        """Stop ``p`` now, waiting for nothing (Ctrl-C, or a call nobody will read):
+        an embedded process is killed, a standing one's run is ended by its daemon;
+        a torchrun rank is left to torchrun. Later calls to it say ``why``."""
+        with self.lock:
+            p.users -= 1
+            if p.kind == "torchrun":
+                return
+            if p.dead is None:
+                p.dead = why
+            if p.proc is not None and p.proc.poll() is None:
+                p.proc.kill()
+            self.stop(p, force=True)
+
     def stop(self, p: Peer, force: bool = False) -> None:
         """Ask the worker to leave and exit; kill it if it does not, in bounded time."""
         import torch.distributed.rpc as rpc

@@ -1,7 +1,7 @@
 """A runtime: the workers one Graph (or Trainer) runs on, with its own session on each.
 
     rt = runtime_for(g, {"gpu": Worker.at("127.0.0.1:7000")})
-    rt.provision(g)                      # the whole graph, to every worker
+    rt.provision(g)                      # each worker its own nodes, and the graph's ids
     rt.submit(stretch).result()          # an Outcome; what cannot travel is Left
     rt.call("gpu", lambda live: live["body"].lin.weight.clone())
     rt.close()
@@ -21,7 +21,7 @@ from .._errors import SomatizeError, WorkerError
 from .._node import kind_of
 from ._group import Peer, group
 from ._serve import Failed
-from ._wire import dumps
+from ._wire import dumps, graph_for
 from ._worker import Worker
 
 log = logging.getLogger(__name__)
@@ -39,7 +39,9 @@ class Runtime:
         self.timeout: dict[str, float] = {}  # per host, as this run's Worker says
         self.provisioned: set[str] = set()
         self.closed = False
+        self.ended = "it was closed"  # why it is closed, once it is
         self._lock = threading.Lock()
+        self._flying: dict[int, tuple[Peer, Any]] = {}  # calls sent, not yet read
         group().runtimes.add(self)
 
     # -- workers ------------------------------------------------------------------
@@ -62,7 +64,8 @@ class Runtime:
     def start(self, hosts=None) -> list[Peer]:
         """Start (or reuse) the workers of ``hosts`` (default: every host the graph uses)."""
         if self.closed:
-            raise WorkerError("this runtime is closed: run the graph again to start a new one")
+            raise WorkerError(f"this run is over ({self.ended}): run the graph again (a new "
+                              "Trainer) to start a new one")
         with self._lock:
             hosts = list(hosts if hosts is not None else self.hosts)
             fresh = [h for h in hosts if h not in self.peers]
@@ -88,30 +91,39 @@ class Runtime:
         return self._graph()
 
     def provision(self, graph=None) -> None:
-        """Send the whole graph to every worker it uses; refused over a different catalog."""
+        """Send each worker the nodes placed on it and the graph's identity (ids, kinds,
+        edges, placement, memory); refused over a different catalog, and before anything
+        starts for a placed node that does not pickle."""
         if graph is not None and graph is not self.graph:
             self._graph, self.provisioned = weakref.ref(graph), set()
             self.hosts = tuple(dict.fromkeys([*self.hosts, *graph.placement.workers()]))
         graph = self.graph
         catalog = {n: kind_of(o) for n, o in graph.catalog.items()}
-        blob = dumps(graph)
+        blobs = {h: graph_for(graph, h) for h in self.hosts}
         peers = self.start()
-        futs = [(p, self._async(p, _serve_fn("provision"), (self.session, blob, catalog)))
+        what = "provisioning the graph"
+        futs = [(p, self._async(p, _serve_fn("provision"),
+                                (self.session, blobs[p.host], catalog), what))
                 for p in peers]
         for p, f in futs:
-            self._answer(p, "provisioning the graph", f)
+            self._answer(p, what, f)
             self.provisioned.add(p.host)
 
     def submit(self, stretch) -> _Pending:
         """Send a stretch to its worker; ``.result()`` is its Outcome."""
+        if self.closed:
+            raise self._ended(stretch.host)
         if stretch.host not in self.provisioned:
             self.provision()
         p = self.peers[stretch.host]
         what = f"running {', '.join(map(str, stretch.nodes))}"
-        return _Pending(self, p, what, self._async(p, _serve_fn("run"), (self.session, stretch)))
+        return _Pending(self, p, what,
+                        self._async(p, _serve_fn("run"), (self.session, stretch), what))
 
     def call(self, host: str, fn, *args: Any, **kw: Any) -> Any:
         """Run ``fn(live_graph, *args, **kw)`` on ``host``'s worker and return its result."""
+        if self.closed:
+            raise self._ended(host)
         if host not in self.provisioned:
             self.provision()
         if host not in self.peers:
@@ -132,13 +144,21 @@ class Runtime:
                         self._async(p, _serve_fn("call"), (self.session, dumps(fn), args, {})))
 
     def close(self) -> None:
-        """Close this run's sessions and stop the workers nobody else uses (idempotent)."""
+        """Close this run's sessions and stop the workers nobody else uses (idempotent).
+
+        Nothing in flight is waited for: a worker still busy with this run's call (an
+        exception or Ctrl-C here left it) is stopped at once when no other run uses it."""
         if self.closed:
             return
         self.closed = True
         import torch.distributed.rpc as rpc
 
+        busy = {p.host for p, f in self._flying.values() if not f.done()}
+        self._flying.clear()
         for p in self.peers.values():
+            if p.host in busy and p.users <= 1:
+                group().kill(p, "it was stopped in the middle of a call, when its run closed")
+                continue
             if p.why_dead() is None and group().started:
                 try:
                     rpc.rpc_sync(p.name, _serve_fn("close"), args=(self.session,),
@@ -148,6 +168,17 @@ class Runtime:
             group().release(p)
         self.peers.clear()
 
+    def abort(self, why: str) -> None:
+        """Stop this run's workers now, waiting for nothing (Ctrl-C): embedded processes
+        are killed, standing ones' runs ended by their daemons (idempotent)."""
+        if self.closed:
+            return
+        self.closed, self.ended = True, why
+        self._flying.clear()
+        for p in self.peers.values():
+            group().kill(p, why)
+        self.peers.clear()
+
     def __enter__(self) -> Runtime:
         return self
 
@@ -155,22 +186,47 @@ class Runtime:
         self.close()
 
     # -- calls --------------------------------------------------------------------
-    def _async(self, p: Peer, fn, args: tuple):
+    def _async(self, p: Peer, fn, args: tuple, what: str):
         import torch.distributed.rpc as rpc
 
-        return rpc.rpc_async(p.name, fn, args=args, timeout=self.timeout[p.host])
+        if p.why_dead() is not None:
+            raise self._lost(p, what)
+        try:
+            fut = rpc.rpc_async(p.name, fn, args=args, timeout=self.timeout[p.host])
+        except Exception as e:  # raised at once: the agent no longer knows the worker
+            raise self._failure(p, what, e) from None
+        if len(self._flying) > 64:  # calls nobody read (a walk that raised): forget the done
+            self._flying = {k: pf for k, pf in self._flying.items() if not pf[1].done()}
+        self._flying[id(fut)] = (p, fut)
+        return fut
 
     def _rpc(self, p: Peer, what: str, fn, args: tuple) -> Any:
-        return self._answer(p, what, self._async(p, fn, args))
+        return self._answer(p, what, self._async(p, fn, args, what))
 
     def _answer(self, p: Peer, what: str, fut) -> Any:
         try:
-            got = fut.wait()
+            got = _wait(fut)
+        except KeyboardInterrupt:
+            self.abort("it was stopped when this process was interrupted (Ctrl-C)")
+            raise
         except Exception as e:
             raise self._failure(p, what, e) from None
+        finally:
+            self._flying.pop(id(fut), None)
         if isinstance(got, Failed):
             raise _raised_over_there(p, what, got)
         return got
+
+    def _ended(self, host: str) -> WorkerError:
+        return WorkerError(f"worker {host!r}: this run is over ({self.ended}); its state over "
+                           "there is gone. Run the graph again (a new Trainer) to start anew")
+
+    def _lost(self, p: Peer, what: str) -> WorkerError:
+        return WorkerError(
+            f"worker {p.host!r} ({p.kind}, pid {p.pid}) was lost before {what}: {p.dead}. "
+            "Its state over there is gone; close the graph or trainer (.close()) and run "
+            "again, which starts a fresh worker"
+        )
 
     def _failure(self, p: Peer, what: str, e: Exception) -> WorkerError:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -181,7 +237,7 @@ class Runtime:
                 f"raise its timeout (Worker(timeout=...)) if that is expected ({msg})"
             )
         if dead is None:
-            dead = f"it is unreachable ({msg})"
+            dead = p.dead = f"it is unreachable ({msg})"
         group().forget(p)
         return WorkerError(
             f"worker {p.host!r} ({p.kind}, pid {p.pid}) was lost while {what}: {dead}. "
@@ -197,6 +253,17 @@ class _Pending:
 
     def result(self):
         return self.rt._answer(self.peer, self.what, self.fut)
+
+
+def _wait(fut) -> Any:
+    """``fut.wait()``, in slices the main thread can be interrupted between (Ctrl-C):
+    a bare wait blocks in C until the call answers or times out."""
+    if not fut.done():
+        answered = threading.Event()
+        fut.add_done_callback(lambda _: answered.set())
+        while not answered.wait(0.2):
+            pass
+    return fut.wait()
 
 
 def _raised_over_there(p: Peer, what: str, f: Failed) -> SomatizeError:

@@ -1,6 +1,10 @@
 """What crosses between processes: an outcome's values that can travel, RRefs for
 values whose readers are all on other workers, and code (a graph, a function) by value.
+A worker is sent the nodes it runs and the graph's identity: every other node stands
+in its catalog as an ``Elsewhere`` (its id and kind), so a node that never leaves here
+need not pickle.
 
+    blob = graph_for(graph, "gpu")                 # on the coordinator: what "gpu" gets
     answer = travelling(graph, outcome, stretch)   # on the worker
     x = resolve(given["body"])                     # on the worker that reads it
 """
@@ -12,6 +16,10 @@ import pickle
 from typing import Any
 
 from .._engine import Outcome
+from .._errors import Refused, WorkerError
+from .._graph import Graph
+from .._learning import Learning, node_of
+from .._node import kind_of
 from .._values import Left, Opaque
 
 
@@ -81,3 +89,54 @@ def dumps(obj: Any) -> bytes:
     import cloudpickle
 
     return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class Elsewhere:
+    """What stands in a worker's catalog for a node that runs somewhere else: its id and
+    kind (what the worker compares catalogs by), never the node itself."""
+
+    def __init__(self, node: Any, kind: str, host: str | None):
+        self.node, self._soma_kind, self.host = node, kind, host
+
+    def forward(self, x: Any, ctx: Any):
+        where = "the coordinator" if self.host is None else f"worker {self.host!r}"
+        raise WorkerError(
+            f"node {self.node!r} ({self._soma_kind}) was asked to run on worker {ctx.host!r}, "
+            f"but it runs on {where} and was not sent here: place it with "
+            f".at({ctx.host!r}) to run it there")
+
+    def __repr__(self) -> str:
+        return f"Elsewhere({self.node!r}, {self._soma_kind})"
+
+
+def graph_for(graph, host: str) -> bytes:
+    """The graph as ``host``'s worker is sent it, pickled: the nodes placed there (a
+    trainer with the node it trains, one object wherever it stands), an ``Elsewhere`` for
+    every other; ids, edges, placement and memory whole. A placed node that does not
+    pickle is ``Refused``, named."""
+    place = graph.placement
+    sent = Graph({n: o if place.get(n) == host else Elsewhere(n, kind_of(o), place.get(n))
+                  for n, o in graph.catalog.items()},
+                 graph.edges, place, graph.memory, graph.reports)
+    try:
+        return dumps(sent)  # one blob: an object in two positions stays one object there
+    except Exception as e:
+        raise _refusal(sent, host, e) from None
+
+
+def _refusal(sent, host: str, e: Exception) -> Refused:
+    # the object at fault: the user's nodes are tried before the trainers standing by them
+    mine = [(n, o) for n, o in sent.catalog.items() if not isinstance(o, Elsewhere)]
+    for n, o in sorted(mine, key=lambda item: isinstance(item[1], Learning)):
+        try:
+            dumps(o)
+        except Exception as why:
+            what = (f"the trainer of node {node_of(n)!r} ({kind_of(o)})"
+                    if isinstance(o, Learning) else f"node {node_of(n)!r} ({kind_of(o)})")
+            return Refused(
+                f"{what} is placed on worker {host!r} but cannot be sent there: it does not "
+                f"pickle ({type(why).__name__}: {why}). Run it here (drop .at({host!r})), or "
+                "make it picklable (a __getstate__ that leaves out locks, files and "
+                "sockets, rebuilt in __setstate__)")
+    return Refused(f"the graph sent to worker {host!r} does not pickle "
+                   f"({type(e).__name__}: {e}): the nodes placed there are {[n for n, _ in mine]}")

@@ -167,8 +167,9 @@ class Trainer:
     def close(self) -> None:
         """Deliver what is owed and stop the worker processes this trainer started."""
         try:
-            if self._step.runtime is not None:
-                self.flush()
+            rt = self._step.runtime
+            if rt is not None and not getattr(rt, "closed", False):  # Ctrl-C stopped it: no
+                self.flush()  # worker is left to deliver to, and none must be waited for
         finally:
             self._step.close()
 
