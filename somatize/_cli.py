@@ -15,7 +15,7 @@ USAGE = """usage: somatize {show,store,worker} ...
                         print a graph built by a script or module, and draw it
   store {ls,du,verify,gc} PATH
                         look inside a store
-  worker --name NAME --listen HOST:PORT [--store PATH]
+  worker --name NAME --listen HOST:PORT [--store PATH] [--keepalive S]
                         serve as a standing worker
 """
 

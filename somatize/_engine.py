@@ -234,6 +234,12 @@ def run_graph(graph, input, *, store=None, workers=None, feeds=None, training=Fa
         cacheable(graph)
     check_settled(graph)
     keeper = _holes.keeper(store)
+    if workers is not None and not isinstance(workers, Mapping):
+        from ._errors import WorkerError
+
+        raise WorkerError(f"workers= takes a dict {{host: Worker}}, not a "
+                          f"{type(workers).__name__}: e.g. workers={{'gpu': "
+                          "Worker.at('127.0.0.1:7000')}}")
     remote = None
     if graph.placement.hosts:
         remote = _holes.transport().runtime_for(graph, workers)

@@ -142,7 +142,8 @@ class Graph:
                          training=training)
 
     def provision(self, workers: Any = None) -> None:
-        """Send the whole graph's catalog to its workers (starting local ones if needed)."""
+        """Send each worker the nodes placed on it and the graph's identity (ids, edges,
+        placement), starting local workers if needed."""
         _holes.transport().runtime_for(self, workers).provision(self)
 
     def close(self) -> None:

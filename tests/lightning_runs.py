@@ -150,6 +150,32 @@ def kill(out):
             f.write(f"{type(e).__name__}: {e}")
 
 
+def lost_checkpoint(out):
+    """The worker killed mid-fit with OnExceptionCheckpoint in the callbacks, then a
+    trainer.save_checkpoint() after: what each said, and which files were written."""
+    from lightning.pytorch.callbacks import OnExceptionCheckpoint
+
+    ckpt_dir = os.path.join(os.path.dirname(out), "ckpts")
+    pl.seed_everything(0)
+    trainer = pl.Trainer(max_steps=10, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=1,
+                         default_root_dir=os.path.join(os.path.dirname(out), "root"),
+                         strategy=SomatizeStrategy(workers={"worker": Worker.embedded(
+                             timeout=20)}),
+                         callbacks=[Kill(), OnExceptionCheckpoint(ckpt_dir)])
+    said = []
+    try:
+        trainer.fit(DigitsModel(lr=0.5), DigitsData(batch_size=32, limit=160))
+    except Exception as e:
+        said.append(f"{type(e).__name__}: {e}")
+    try:
+        trainer.save_checkpoint(os.path.join(ckpt_dir, "later.ckpt"))
+    except Exception as e:
+        said.append(f"{type(e).__name__}: {e}")
+    written = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
+    torch.save({"said": said, "written": written}, out)
+
+
 def standing(out, address):
     """One process: a graph through somatize.remote, then Lightning on a standing worker."""
     from somatize.lightning.digits import Head
@@ -232,5 +258,5 @@ def hashes(out, store):
 
 
 if __name__ == "__main__":
-    {"hashes": hashes, "oracle": oracle, "resume": resume, "all_remote": all_remote, "kill": kill,
+    {"hashes": hashes, "lost_checkpoint": lost_checkpoint, "oracle": oracle, "resume": resume, "all_remote": all_remote, "kill": kill,
      "standing": standing, "worker_keeps": worker_keeps}[sys.argv[1]](*sys.argv[2:])

@@ -82,6 +82,16 @@ def test_killing_the_worker_mid_fit_ends_the_run_with_an_error_naming_it(tmp_pat
     assert "worker 'worker'" in message
 
 
+def test_no_checkpoint_is_written_once_the_worker_holding_trained_weights_is_lost(tmp_path):
+    out = tmp_path / "lost.pt"
+    run("lost_checkpoint", out, timeout=120)
+    got = torch.load(out)
+    assert got["written"] == []  # neither OnExceptionCheckpoint's nor the later one
+    assert len(got["said"]) == 2
+    assert all(s.startswith("WorkerError") and "worker 'worker'" in s for s in got["said"])
+    assert "no checkpoint is written" in got["said"][1]
+
+
 def test_a_standing_worker_trains_the_body_and_one_process_also_uses_somatize_remote(tmp_path):
     port = _free_port()
     daemon = subprocess.Popen(

@@ -84,6 +84,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
         self.place = dict(place or {})
         self.dropin: DropIn | None = None
         self._placed_ran: dict = {}
+        self._lost: str | None = None  # a worker lost with trained state: nothing to save
         self.trains = dict(trains) if trains is not None else None
         self.workers = dict(workers) if workers else None
         self.store = store
@@ -129,6 +130,11 @@ class SomatizeStrategy(SingleDeviceStrategy):
                 "more workers, or run data parallel under another strategy")
         super().setup(trainer)
         model = self.lightning_module
+        if self._lost:
+            log.warning("a worker was lost with what it trained (%s): this run starts from the "
+                        "copy here; resume from the last checkpoint to continue the lost run",
+                        self._lost)
+            self._lost, self._broken = None, False
         if self.dropin is not None:
             self.dropin.close(pull=not self._broken)
             self.dropin = None
@@ -204,8 +210,12 @@ class SomatizeStrategy(SingleDeviceStrategy):
     def sync(self) -> None:
         """Bring the weights of placed submodules here up to date (during fit they are
         trained over there, and the copy here is stale until an epoch ends)."""
+        self._refuse_lost()
         if self.dropin is not None and not self._broken:
-            self.dropin.sync()
+            try:
+                self.dropin.sync()
+            except WorkerError as e:
+                self._lose(e)
 
     def _trains(self, model: pl.LightningModule, trainer: pl.Trainer) -> dict[str, Learning]:
         """What trains each placed node; those nodes' parameters are taken out of
@@ -294,9 +304,25 @@ class SomatizeStrategy(SingleDeviceStrategy):
     def pull_weights(self) -> dict[str, Any]:
         """Copy the weights trained on the workers into this process's GraphModules;
         return the trainers' states by GraphModule name."""
+        self._refuse_lost()
         if self._broken:
             return {}
-        return {name: run.pull() for name, run in self.runs.items() if run.trains}
+        try:
+            return {name: run.pull() for name, run in self.runs.items() if run.trains}
+        except WorkerError as e:
+            self._lose(e)
+            raise AssertionError("unreachable") from None
+
+    def _lose(self, e: WorkerError) -> None:
+        self._broken, self._lost = True, str(e).splitlines()[0]
+        self._refuse_lost()
+
+    def _refuse_lost(self) -> None:
+        if self._lost:
+            raise WorkerError(
+                f"no checkpoint is written: the weights and optimizer state trained over there "
+                f"were lost with their worker ({self._lost}), and the copy here is stale. The "
+                "last checkpoint written is the point to resume from: fit(ckpt_path=...)")
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -340,10 +366,14 @@ class SomatizeStrategy(SingleDeviceStrategy):
     def on_exception(self, exception: BaseException) -> None:
         if isinstance(exception, WorkerError):
             self._broken = True
+            if self.dropin is not None or any(run.trains for run in self.runs.values()):
+                # what was trained over there since the last checkpoint is gone with it
+                self._lost = str(exception).splitlines()[0]
 
     @override
     def teardown(self) -> None:
-        self.pull_weights()
+        if not self._lost:
+            self.pull_weights()
         for name, run in self.runs.items():
             self._graph_modules.get(name, _Nobody).runner = None
             run.discard()

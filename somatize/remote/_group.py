@@ -45,6 +45,7 @@ class Peer:
     keeps: bool = False
     pid: int | None = None
     device: str = "cpu"  # where placed modules compute over there
+    unanswered: bool = False  # a call to it timed out: nothing more is waited for
     rank: int | None = None
     users: int = 0
     dead: str | None = None  # why it is gone, once it is
@@ -227,6 +228,7 @@ class Group:
         from . import _serve
 
         self._drop(p)
+        force = force or p.unanswered  # a call to it timed out: do not wait on it again
         if p.why_dead() is None and not force:
             try:
                 rpc.rpc_sync(p.name, _serve.stop, timeout=min(p.timeout, 10.0))

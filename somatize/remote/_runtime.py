@@ -156,8 +156,11 @@ class Runtime:
         busy = {p.host for p, f in self._flying.values() if not f.done()}
         self._flying.clear()
         for p in self.peers.values():
-            if p.host in busy and p.users <= 1:
+            if (p.host in busy or p.unanswered) and p.users <= 1:
                 group().kill(p, "it was stopped in the middle of a call, when its run closed")
+                continue
+            if p.unanswered:  # shared with another run: leave it to that one
+                group().release(p)
                 continue
             if p.why_dead() is None and group().started:
                 try:
@@ -232,9 +235,11 @@ class Runtime:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         dead = p.why_dead()
         if dead is None and ("timed out" in msg.lower() or "timeout" in msg.lower()):
+            p.unanswered = True  # closing waits for it no longer: it is stopped at once
             return WorkerError(
                 f"worker {p.host!r} did not answer within {self.timeout[p.host]:g} s while {what}: "
-                f"raise its timeout (Worker(timeout=...)) if that is expected ({msg})"
+                "its machine may be unreachable, or the call slower than that: raise its "
+                f"timeout (Worker(timeout=...)) if that is expected ({msg})"
             )
         if dead is None:
             dead = p.dead = f"it is unreachable ({msg})"

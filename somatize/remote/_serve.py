@@ -13,6 +13,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import threading
 import traceback
 from concurrent.futures import ThreadPoolExecutor
@@ -194,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default=None, help="where placed modules compute")
     args = ap.parse_args(argv)
+    # a terminal's Ctrl-C reaches the whole process group: the coordinator stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format=f"worker {args.name}: %(message)s")
     threading.Thread(target=_watch_stdin, daemon=True, name="somatize-stdin").start()
 

@@ -27,7 +27,7 @@ import torch
 
 from .. import _holes
 from .._engine import Outcome, output, walk
-from .._errors import NoGradient, Refused
+from .._errors import NoGradient, Refused, WorkerError
 from .._graph import Graph
 from .._learning import IN, Envelope, Learning, Position, around, node_of
 from .._memory import cacheable, check_settled, params_of
@@ -56,6 +56,10 @@ class Step:
                  workers: Mapping[str, Any] | None = None, store: Any = None,
                  optimizers: Iterable[torch.optim.Optimizer] = (), defer: bool = True):
         self.graph = graph
+        if workers is not None and not isinstance(workers, Mapping):
+            raise WorkerError(f"workers= takes a dict {{host: Worker}}, not a "
+                              f"{type(workers).__name__}: e.g. workers={{'gpu': "
+                              "Worker.at('127.0.0.1:7000')}}")
         self.trains: dict[str, Learning] = dict(trains or {})
         optimizers = [o for o in optimizers if o is not None]
         refuse(graph, self.trains, optimizers)
