@@ -258,5 +258,4 @@ def hashes(out, store):
 
 
 if __name__ == "__main__":
-    {"hashes": hashes, "lost_checkpoint": lost_checkpoint, "oracle": oracle, "resume": resume, "all_remote": all_remote, "kill": kill,
-     "standing": standing, "worker_keeps": worker_keeps}[sys.argv[1]](*sys.argv[2:])
+    globals()[sys.argv[1]](*sys.argv[2:])
