@@ -65,6 +65,18 @@ def _runtime_for(graph, workers):
     return runtime_for(graph, workers)
 
 
+def _trace_start(runtime):
+    from .remote._tracing import begin
+
+    return begin(runtime)
+
+
+def _trace_collect(runtime, offsets, end=False):
+    from .remote._tracing import collect
+
+    return collect(runtime, offsets, end)
+
+
 def _release(graph):
     if "somatize.remote" in sys.modules:  # nothing was started if it was never imported
         from .remote import release
@@ -74,7 +86,8 @@ def _release(graph):
 
 # the defaults that fill the core's holes, each importing its layer at first use
 _holes.adapt(_module_node)
-_holes.fill(keeper=_open_keeper, transport=_holes.Transport(_runtime_for, _release))
+_holes.fill(keeper=_open_keeper, transport=_holes.Transport(
+    _runtime_for, _release, _trace_start, _trace_collect))
 
 
 def __getattr__(name):

@@ -15,10 +15,12 @@ from typing import Any
 
 from . import _holes
 from ._errors import ContractError, Lost, MissingInput
+from ._learning import Learning
 from ._memory import cacheable, check_settled
 from ._naming import cached_here, keep, look_up, naming
 from ._node import Ctx, kind_of
 from ._plan import Unit, units
+from ._trace import span
 from ._values import Done, FanIn, Left, bare
 
 
@@ -149,8 +151,9 @@ def walk(
                 values[n] = hits[n]
                 out.hits.append(n)
                 continue
-            values[n] = run_node(graph.reports.get(n, n), graph.catalog[n], input_of(n), here,
-                                 training)
+            with span(node_name(graph, n), "node"):
+                values[n] = run_node(graph.reports.get(n, n), graph.catalog[n], input_of(n),
+                                     here, training)
             out.ran.append(n)
             out.pids[n] = pid
             if n in cached and keeper is not None and keys.get(n):
@@ -218,6 +221,13 @@ def _sent(graph, unit: Unit, needed, wanted) -> tuple:
     answers = tuple(m for m in unit.nodes if m in needed and (
         m in wanted or any(c not in inside for c in graph.successors(m))))
     return unit, outside, roots, answers
+
+
+def node_name(graph, n: Any) -> str:
+    """What a trace calls a node of a run: a trainer's two positions say which they are."""
+    if isinstance(graph.catalog[n], Learning):
+        return f"enter {n.node}" if isinstance(n, tuple) else f"leave {n}"
+    return f"forward {graph.reports.get(n) or n}"
 
 
 def _missing(consumer: str, p: str):

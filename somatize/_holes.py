@@ -28,10 +28,14 @@ class Runtime(Protocol):
 
 
 class Transport(NamedTuple):
-    """How placed nodes reach their workers: the runtime a graph runs on, and its end."""
+    """How placed nodes reach their workers: the runtime a graph runs on, its end, and
+    tracing over there (start: runtime -> clock offsets; collect: runtime, offsets ->
+    the workers' spans on this clock)."""
 
     runtime_for: Callable[[Any, Any], Runtime]  # (graph, workers) -> the graph's runtime
     release: Callable[[Any], None]  # (graph) -> stop the workers it started
+    trace_start: Callable[[Any], dict] | None = None
+    trace_collect: Callable[..., list] | None = None
 
 
 _filled: dict[str, Any] = {"keeper": None, "transport": None}

@@ -149,7 +149,7 @@ class Losses(pl.Callback):
 
 def fit(model, strategy, data=None, **kw):
     losses = Losses()
-    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+    trainer = pl.Trainer(logger=kw.pop("logger", False), enable_progress_bar=False, enable_model_summary=False,
                          strategy=strategy, callbacks=[losses, *kw.pop("callbacks", [])],
                          **{"enable_checkpointing": False, **kw})
     trainer.fit(model, data)
@@ -375,6 +375,36 @@ def resumes(out):
         resume(path, first, then)
         got[f"{first}-{then}"] = torch.load(path, weights_only=False)
     torch.save(got, out)
+
+
+def traced(out):
+    """Split fits with trace=: the drop-in autoencoder under Lightning (with a CSV logger
+    for the somatize/* metrics), and the seeds' graph under somatize's Trainer."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+
+    from somatize import Graph
+    from somatize.torch import Split, Trainer, parameters
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from split_nodes import Body, Head, batches
+
+    pl.seed_everything(0)
+    strategy = SomatizeStrategy(place={"encoder": "worker"}, trace=out + ".lightning.json")
+    logs = os.path.join(os.path.dirname(out), "logs")
+    trainer, _, _ = fit(PlainAutoEncoder(), strategy, digits(), max_epochs=2,
+                        limit_val_batches=0, logger=CSVLogger(logs, name="csv"))
+    with open(next(os.path.join(r, f) for r, _, fs in os.walk(logs) for f in fs
+                   if f == "metrics.csv")) as f:
+        metrics = [r for r in csv.DictReader(f) if r.get("somatize/bytes_sent")]
+    g = Graph.somatize(Body().at("gpu") >> Head())
+    trains = {"body": Split(torch.optim.SGD, lr=0.1)}
+    with Trainer(g, F.cross_entropy, torch.optim.SGD(parameters(g, without=trains), lr=0.1),
+                 trains=trains, trace=out + ".trainer.json") as t:
+        t.fit(batches(5), progress=False)
+    torch.save({"lightning_steps": trainer.global_step, "trainer_steps": 5,
+                "pid": os.getpid(), "metrics": metrics}, out)
 
 
 if __name__ == "__main__":

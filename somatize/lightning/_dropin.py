@@ -303,6 +303,11 @@ class DropIn:
     def where(self) -> dict[str, dict[int, int]]:
         return self.step.where()
 
+    def settle(self) -> None:
+        """Wait for the backwards still in flight over there."""
+        for link in self.links.values():
+            link.settle()
+
     def close(self, pull: bool = True) -> None:
         """Bring the weights here up to date (unless the worker is lost), give the module
         its own forward back, and end the session."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -26,12 +27,15 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from lightning.pytorch.strategies.launchers.launcher import _Launcher
 from typing_extensions import override
 
+from .. import _trace
 from .._errors import Refused, WorkerError
 from .._learning import Learning
 from .._memory import params_of
+from .._trace import span
 from ..remote import serve_if_worker
 from ..torch import GraphModule, Split
 from ..torch._step import Step, refuse_unknown, settle
+from ..torch._tracer import Tracer
 from ._callback import graph_modules
 from ._dropin import DropIn
 
@@ -71,6 +75,9 @@ class SomatizeStrategy(SingleDeviceStrategy):
             ``Worker.embedded(store=...)`` for one that keeps what it runs); hosts not
             given get an embedded worker, or under torchrun the rank that serves them.
         store: unused here; give a store to ``SomatizeCache``.
+        trace: a path: write a Chrome trace-event file of the run there (Perfetto,
+            chrome://tracing): one lane per process, spans for each forward and backward,
+            transfer (with its bytes), optimizer step and wait; written at teardown.
         place: ``{submodule path: worker}``: the drop-in route. The named submodules of
             an unmodified LightningModule (``"encoder"``, ``"model.transformer"``) run and
             train on those workers; nothing in the model changes.
@@ -79,10 +86,13 @@ class SomatizeStrategy(SingleDeviceStrategy):
     strategy_name = "somatize"
 
     def __init__(self, trains: Mapping[str, Any] | None = None, workers: Any = None,
-                 store: Any = None, place: Mapping[str, str] | None = None, **kwargs: Any):
+                 store: Any = None, place: Mapping[str, str] | None = None,
+                 trace: str | os.PathLike | None = None, **kwargs: Any):
         super().__init__(device=torch.device("cpu"), **kwargs)  # Lightning's, at setup
         self.place = dict(place or {})
         self.dropin: DropIn | None = None
+        self.trace = trace
+        self._tracer: Tracer | None = None
         self._placed_ran: dict = {}
         self._lost: str | None = None  # a worker lost with trained state: nothing to save
         self.trains = dict(trains) if trains is not None else None
@@ -128,6 +138,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
                 f"num_nodes={trainer.num_nodes} given): the placed modules' workers are its "
                 "other processes. Use lightning.Trainer(devices=1) and place more modules on "
                 "more workers, or run data parallel under another strategy")
+        if self.trace is not None and self._tracer is None:
+            self._tracer = Tracer(self.trace)
         super().setup(trainer)
         model = self.lightning_module
         if self._lost:
@@ -151,8 +163,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
                                  self.root_device, trains=self.trains or {},
                                  schedulers=[c.scheduler for c in self.lr_scheduler_configs])
             self.dropin.fitting(trainer.training)
-            if not any(isinstance(c, _SyncAtEpochEnd) for c in trainer.callbacks):
-                trainer.callbacks.insert(0, _SyncAtEpochEnd())  # before the user's own
+
         named = {name: m for name, m in model.named_modules() if isinstance(m, GraphModule)}
         trains = self._trains(model, trainer) if trainer.training and not self.place else {}
         if trains:
@@ -169,6 +180,13 @@ class SomatizeStrategy(SingleDeviceStrategy):
                 gm.runner = _runner(run)
         for run in old.values():
             run.close()
+        if not any(isinstance(c, _EpochEnd) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, _EpochEnd())  # before the user's own
+        if self._tracer is not None:
+            for run in self.runs.values():
+                self._tracer.add(run.runtime)
+            if self.dropin is not None:
+                self._tracer.add(self.dropin.step.runtime)
         hosts = sorted({h for run in self.runs.values()
                         for h in run.running.placement.workers()})
         if hosts:
@@ -206,6 +224,14 @@ class SomatizeStrategy(SingleDeviceStrategy):
         if self._placed_ran:
             out[""] = self._placed_ran
         return out
+
+    def traffic(self) -> tuple[float, int, int]:
+        """Seconds this process waited on workers, bytes sent, bytes received, so far."""
+        runtimes = [run.runtime for run in self.runs.values() if run.runtime is not None]
+        if self.dropin is not None:
+            runtimes.append(self.dropin.step.runtime)
+        return (sum(r.waited for r in runtimes), sum(r.sent for r in runtimes),
+                sum(r.received for r in runtimes))
 
     def sync(self) -> None:
         """Bring the weights of placed submodules here up to date (during fit they are
@@ -293,7 +319,21 @@ class SomatizeStrategy(SingleDeviceStrategy):
     @override
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any],
                        model: Any = None, **kwargs: Any) -> Any:
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        tracing = _trace.current()
+        if tracing is None:
+            out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        else:  # the closure (forward, backward) inside optimizer.step, told apart from it
+            done: list[float] = []
+
+            def traced() -> Any:
+                with span("training step (forward, backward)", "step"):
+                    got = closure()
+                done.append(_trace.now_us())
+                return got
+
+            out = super().optimizer_step(optimizer, traced, model, **kwargs)
+            if done:
+                tracing.add("optimizer step here", "step", done[-1], _trace.now_us() - done[-1])
         for run in self.runs.values():
             run.step_trainers()
         if self.dropin is not None:
@@ -374,6 +414,10 @@ class SomatizeStrategy(SingleDeviceStrategy):
     def teardown(self) -> None:
         if not self._lost:
             self.pull_weights()
+        if self._tracer is not None and not self._broken:
+            if self.dropin is not None:
+                self.dropin.settle()
+            self._tracer.write()
         for name, run in self.runs.items():
             self._graph_modules.get(name, _Nobody).runner = None
             run.discard()
@@ -386,13 +430,30 @@ class SomatizeStrategy(SingleDeviceStrategy):
         super().teardown()
 
 
-class _SyncAtEpochEnd(pl.Callback):
-    """Brings the placed modules' weights here up to date as an epoch ends, before the
-    user's callbacks read them."""
+class _EpochEnd(pl.Callback):
+    """As an epoch ends, before the user's callbacks: the placed modules' weights here
+    brought up to date, and the epoch's traffic logged: ``somatize/wait_ms`` (this
+    process waiting on workers), ``somatize/bytes_sent``, ``somatize/bytes_received``."""
+
+    def __init__(self):
+        self.seen = (0.0, 0, 0)
+
+    @override
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.seen = trainer.strategy.traffic()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        trainer.strategy.sync()
+        strategy = trainer.strategy
+        strategy.sync()
+        now = strategy.traffic()
+        waited, sent, received = (a - b for a, b in zip(now, self.seen, strict=True))
+        self.seen = now
+        if strategy.runs or strategy.dropin is not None:
+            pl_module.log_dict({"somatize/wait_ms": waited * 1000.0,
+                                "somatize/bytes_sent": float(sent),
+                                "somatize/bytes_received": float(received)},
+                               on_step=False, on_epoch=True)
 
 
 class _Nobody:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import uuid
 import weakref
 from collections.abc import Mapping
@@ -19,9 +20,10 @@ from typing import Any
 from .. import _errors
 from .._errors import SomatizeError, WorkerError
 from .._node import kind_of
+from .._trace import span
 from ._group import Peer, group
 from ._serve import Failed
-from ._wire import dumps, graph_for
+from ._wire import bytes_of, dumps, graph_for
 from ._worker import Worker
 
 log = logging.getLogger(__name__)
@@ -39,6 +41,9 @@ class Runtime:
         self.timeout: dict[str, float] = {}  # per host, as this run's Worker says
         self.provisioned: set[str] = set()
         self.closed = False
+        # what crossed and how long this process waited on workers (somatize/* metrics)
+        self.sent = self.received = 0
+        self.waited = 0.0
         self.ended = "it was closed"  # why it is closed, once it is
         self._lock = threading.Lock()
         self._flying: dict[int, tuple[Peer, Any]] = {}  # calls sent, not yet read
@@ -139,9 +144,9 @@ class Runtime:
         if host not in self.provisioned:
             self.provision()
         p = self.peers[host]
-        name = getattr(fn, "__qualname__", type(fn).__name__)
-        return _Pending(self, p, f"calling {name}",
-                        self._async(p, _serve_fn("call"), (self.session, dumps(fn), args, {})))
+        what = f"calling {getattr(fn, '__qualname__', type(fn).__name__)}"
+        return _Pending(self, p, what, self._async(
+            p, _serve_fn("call"), (self.session, dumps(fn), args, {}), what))
 
     def close(self) -> None:
         """Close this run's sessions and stop the workers nobody else uses (idempotent).
@@ -194,8 +199,11 @@ class Runtime:
 
         if p.why_dead() is not None:
             raise self._lost(p, what)
+        sent = bytes_of(args)
+        self.sent += sent
         try:
-            fut = rpc.rpc_async(p.name, fn, args=args, timeout=self.timeout[p.host])
+            with span(f"send to {p.host}: {what}", "transfer", bytes=sent):
+                fut = rpc.rpc_async(p.name, fn, args=args, timeout=self.timeout[p.host])
         except Exception as e:  # raised at once: the agent no longer knows the worker
             raise self._failure(p, what, e) from None
         if len(self._flying) > 64:  # calls nobody read (a walk that raised): forget the done
@@ -208,7 +216,12 @@ class Runtime:
 
     def _answer(self, p: Peer, what: str, fut) -> Any:
         try:
-            got = _wait(fut)
+            t = time.monotonic()
+            with span(f"wait for {p.host}: {what}", "wait") as said:
+                got = _wait(fut)
+                said["bytes"] = received = bytes_of(got)
+            self.waited += time.monotonic() - t
+            self.received += received
         except KeyboardInterrupt:
             self.abort("it was stopped when this process was interrupted (Ctrl-C)")
             raise

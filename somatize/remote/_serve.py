@@ -20,6 +20,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .. import _trace
+from .._trace import now_us, span
+
 log = logging.getLogger(__name__)
 
 _sessions: dict[str, Any] = {}  # session id -> the live graph it was provisioned with
@@ -109,12 +112,29 @@ def close(session: str) -> None:
 
 def run(session: str, stretch: Any) -> Any:
     """Walk ``stretch`` over the session's graph; answer with what can travel."""
-    return _compute.submit(_run, session, stretch).result()
+    with span(f"run {', '.join(map(str, stretch.nodes))}", "call"):
+        return _compute.submit(_run, session, stretch).result()
 
 
 def call(session: str, fn_blob: bytes, args: tuple, kw: dict) -> Any:
     """Run ``fn(live_graph, *args, **kw)`` against the session's graph; answer its result."""
     return _compute.submit(_call, session, fn_blob, args, kw).result()
+
+
+def clock() -> float:
+    """This process's clock, in microseconds (to align traces)."""
+    return now_us()
+
+
+def trace(lane: str | None) -> list:
+    """Start recording spans in the lane ``lane`` (None: stop); answer what was recorded."""
+    tracing = _trace.current()
+    got = tracing.take() if tracing is not None else []
+    if lane is None:
+        _trace.stop()
+    else:
+        _trace.start(lane)
+    return got
 
 
 def _run(session: str, stretch: Any) -> Any:
@@ -145,7 +165,9 @@ def _call(session: str, fn_blob: bytes, args: tuple, kw: dict) -> Any:
                       "")
     try:
         fn = cloudpickle.loads(fn_blob)
-        return fn(graph, *args, **kw)
+        with span(getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None),
+                                                          "__name__", "call"), "call"):
+            return fn(graph, *args, **kw)
     except BaseException as e:
         return Failed(None, type(e).__name__, str(e), traceback.format_exc())
 

@@ -84,6 +84,31 @@ def resolve(value: Any) -> Any:
     return value.to_here() if isinstance(value, PyRRef) else value
 
 
+def bytes_of(value: Any) -> int:
+    """The tensor bytes in what crosses (nested containers, outcomes and stretches too)."""
+    import torch
+
+    todo, total, seen = [value], 0, 0
+    while todo and seen < 10000:  # bounded: a pathological structure is not walked whole
+        v = todo.pop()
+        seen += 1
+        if isinstance(v, torch.Tensor):
+            total += v.nelement() * v.element_size()
+        elif isinstance(v, dict):
+            todo.extend(v.values())
+        elif isinstance(v, (list, tuple)):
+            todo.extend(v)
+        elif isinstance(v, Opaque):
+            todo.append(v.value)
+        elif isinstance(v, Outcome):
+            todo.append(v.values)
+        elif hasattr(v, "given") and hasattr(v, "inputs"):  # a Stretch
+            todo += [v.given, v.inputs]
+        elif type(v).__name__ == "Envelope":
+            todo += [v.signal, v.then]
+    return total
+
+
 def dumps(obj: Any) -> bytes:
     """Code and objects by value where they are defined in ``__main__`` (cloudpickle)."""
     import cloudpickle

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .._errors import Refused
+from .._trace import span
 from ._module import ModuleNode
 
 log = logging.getLogger(__name__)
@@ -89,7 +90,8 @@ def _apply(placed: Placed, ops: list) -> None:
             opt = placed.mirrors[i]
             for group, hyper in zip(opt.param_groups, groups or [], strict=bool(groups)):
                 group.update(hyper)
-            opt.step()
+            with span(f"optimizer step {i}", "step"):
+                opt.step()
         elif op[0] == "zero":
             _, i, set_to_none = op
             placed.mirrors[i].zero_grad(set_to_none=set_to_none)
@@ -146,20 +148,21 @@ def _call(live, name: str, call: int, flat: list, spec: Any, needs: list[bool], 
         if dtype != torch.get_default_dtype():  # bf16-true / 16-true set it for the forward
             under.callback(torch.set_default_dtype, torch.get_default_dtype())
             torch.set_default_dtype(dtype)
-        return _run_call(placed, call, flat, spec, needs, grad, inference)
+        return _run_call(placed, name, call, flat, spec, needs, grad, inference)
 
 
-def _run_call(placed: Placed, call: int, flat: list, spec: Any, needs: list[bool], grad: bool,
-              inference: bool):
+def _run_call(placed: Placed, name: str, call: int, flat: list, spec: Any, needs: list[bool],
+              grad: bool, inference: bool):
     leaves = [t.detach().requires_grad_() if need else t
               for t, need in zip(flat, needs, strict=True)]
     args, kwargs = tree_unflatten(leaves, spec)
-    if inference:
-        with torch.inference_mode():
-            out = placed.module(*args, **kwargs)
-    else:
-        with torch.set_grad_enabled(grad):
-            out = placed.module(*args, **kwargs)
+    with span(f"forward {name}", "node"):
+        if inference:
+            with torch.inference_mode():
+                out = placed.module(*args, **kwargs)
+        else:
+            with torch.set_grad_enabled(grad):
+                out = placed.module(*args, **kwargs)
     out_flat, out_spec = tree_flatten(out)
     tensors = [t for t in out_flat if isinstance(t, torch.Tensor) and t.requires_grad]
     if grad and tensors:
@@ -178,7 +181,8 @@ def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
     pairs = [(o, g) for o, g in zip(tensors, grads, strict=True)
              if g is not None and o.requires_grad]
     if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g.to(o.device) for o, g in pairs])
+        with span(f"backward {name}", "node"):
+            torch.autograd.backward([o for o, _ in pairs], [g.to(o.device) for o, g in pairs])
     return [None if leaf is None or leaf.grad is None else leaf.grad.cpu() for leaf in leaves]
 
 

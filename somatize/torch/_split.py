@@ -16,6 +16,7 @@ import torch
 
 from .._learning import Learning
 from .._node import Ctx
+from .._trace import span
 
 
 class Split(Learning):
@@ -64,12 +65,14 @@ class Split(Learning):
         optimizer = self.optimizer
         torch.autograd.backward(y, signal)
         if not self.accumulates:
-            optimizer.step()
+            with span(f"optimizer step {ctx.node}", "step"):
+                optimizer.step()
             optimizer.zero_grad()
         return x.grad if x is not None and x.requires_grad else None
 
     def step(self) -> None:
-        self.optimizer.step()
+        with span("optimizer step", "step"):
+            self.optimizer.step()
         self.optimizer.zero_grad()
 
     def state_dict(self) -> dict:

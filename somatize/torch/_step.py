@@ -34,6 +34,7 @@ from .._memory import cacheable, check_settled, params_of
 from .._naming import naming
 from .._node import Ctx, kind_of
 from .._stages import levels, stages
+from .._trace import span
 from .._values import Opaque, bare
 from ._freeze import freeze, state_of
 
@@ -192,7 +193,8 @@ class Step:
                     values.append(made[n][0])
                     grads.append(s)
             if values:
-                torch.autograd.backward(values, grads)
+                with span(f"backward stage {k} here", "node"):
+                    torch.autograd.backward(values, grads)
 
     def discard(self) -> None:
         """Forget a forward whose loss got no backward (nothing is kept for it)."""
@@ -200,7 +202,8 @@ class Step:
 
     def learn(self, n: str, signal: Any) -> Any:
         """Hand ``n``'s trainer dL/d(output), where it stands; return dL/d(input) or None."""
-        return self._at(n, _learn, n, signal)
+        with span(f"backward {n}", "node"):
+            return self._at(n, _learn, n, signal)
 
     def flush(self) -> None:
         """Deliver the gradients still owed to trainers (done before reading or closing)."""

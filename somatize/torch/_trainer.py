@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -32,7 +33,9 @@ from .._errors import SomatizeError
 from .._graph import Graph
 from .._learning import Learning
 from .._memory import has_state
+from .._trace import span
 from ._step import Step, restore, snapshot
+from ._tracer import Tracer
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,8 @@ class Trainer:
         workers: ``{host: Worker}`` for placed nodes (local processes when not given).
         store: a directory (or Keeper) where ``.cached()`` nodes are kept;
             ``.frozen()`` nodes are settled (``freeze``) when the trainer is built.
+        trace: a path: write a Chrome trace-event file of the run there (Perfetto,
+            chrome://tracing), written at the end of ``fit`` and at ``close``.
     """
 
     def __init__(
@@ -60,13 +65,17 @@ class Trainer:
         trains: Mapping[str, Learning] | None = None,
         workers: Mapping[str, Any] | None = None,
         store: Any = None,
+        trace: str | os.PathLike | None = None,
     ):
         self.graph = graph
         self.objective = objective
         self.optimizer = optimizer
         self.trains: dict[str, Learning] = dict(trains or {})
+        self._tracer = Tracer(trace) if trace is not None else None
         self._step = Step(graph, self.trains, workers=workers, store=store,
                           optimizers=[optimizer])
+        if self._tracer is not None:
+            self._tracer.add(self._step.runtime)
         self._roots = graph.roots
         # where the far side's step waits for the next input (one round trip per step), the
         # local one waits too: it is taken while the next step's first stretch computes
@@ -94,7 +103,8 @@ class Trainer:
     def _step_local(self) -> None:
         if self._unstepped:
             self._unstepped = False
-            self.optimizer.step()
+            with span("optimizer step here", "step"):
+                self.optimizer.step()
             self.optimizer.zero_grad()
 
     def flush(self) -> None:
@@ -124,6 +134,8 @@ class Trainer:
             finally:
                 self._fitting = False
         self.flush()
+        if self._tracer is not None:
+            self._tracer.write()
         return losses
 
     def _epochs(self, data, epochs: int, bar, losses: list[float]) -> None:
@@ -170,6 +182,8 @@ class Trainer:
             rt = self._step.runtime
             if rt is not None and not getattr(rt, "closed", False):  # Ctrl-C stopped it: no
                 self.flush()  # worker is left to deliver to, and none must be waited for
+            if self._tracer is not None:
+                self._tracer.write(end=True)
         finally:
             self._step.close()
 
