@@ -3,10 +3,13 @@
     def test_damage(store, said): ...; assert "damaged" in said()
 """
 
+import hosts as _hosts
 import pytest
 
 from somatize._say import forget
 from somatize.store import Store
+
+hosts = pytest.fixture(_hosts.fixture, name="hosts")  # network namespaces (tests/hosts.py)
 
 
 @pytest.fixture

@@ -33,6 +33,7 @@ from ..remote import serve_if_worker
 from ..torch import GraphModule, Split
 from ..torch._step import Step, refuse_unknown, settle
 from ._callback import graph_modules
+from ._dropin import DropIn
 
 log = logging.getLogger(__name__)
 
@@ -68,13 +69,26 @@ class SomatizeStrategy(SingleDeviceStrategy):
             ``Worker.embedded(store=...)`` for one that keeps what it runs); hosts not
             given get an embedded worker, or under torchrun the rank that serves them.
         store: unused here; give a store to ``SomatizeCache``.
+        place: ``{submodule path: worker}``: the drop-in route. The named submodules of
+            an unmodified LightningModule (``"encoder"``, ``"model.transformer"``) run and
+            train on those workers; nothing in the model changes.
     """
 
     strategy_name = "somatize"
 
     def __init__(self, trains: Mapping[str, Any] | None = None, workers: Any = None,
-                 store: Any = None, **kwargs: Any):
+                 store: Any = None, place: Mapping[str, str] | None = None, **kwargs: Any):
         super().__init__(device=torch.device("cpu"), **kwargs)
+        self.place = dict(place or {})
+        if self.place and trains is not None:
+            raise Refused(
+                "SomatizeStrategy(place=..., trains=...): on the drop-in route the placed "
+                "modules are trained over there by mirrors of your optimizers (same class, "
+                "same param groups, following your schedulers); choosing another optimizer "
+                "for them is not supported yet. Drop trains=, or use the graph route "
+                "(GraphModule) with trains=")
+        self.dropin: DropIn | None = None
+        self._placed_ran: dict = {}
         self.trains = dict(trains) if trains is not None else None
         self.workers = dict(workers) if workers else None
         self.store = store
@@ -98,6 +112,16 @@ class SomatizeStrategy(SingleDeviceStrategy):
     # -- setup ------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        # Lightning quietly drops a single-device strategy to one device: read what was asked
+        asked = getattr(trainer._accelerator_connector, "_devices_flag", 1)
+        wanted = (len(asked) if isinstance(asked, (list, tuple))
+                  else int(asked) if str(asked).isdigit() else 1)
+        if max(wanted, trainer.num_devices) > 1 or trainer.num_nodes > 1:
+            raise Refused(
+                f"SomatizeStrategy drives one device here (devices={asked}, "
+                f"num_nodes={trainer.num_nodes} given): the placed modules' workers are its "
+                "other processes. Use lightning.Trainer(devices=1) and place more modules on "
+                "more workers, or run data parallel under another strategy")
         if type(self.precision_plugin) is not Precision:
             raise Refused(
                 f"SomatizeStrategy trains in full precision only: precision="
@@ -111,6 +135,15 @@ class SomatizeStrategy(SingleDeviceStrategy):
                 "over the weights here only, not those trained on the workers. Clip inside "
                 "the nodes' optimizers, or train without gradient_clip_val")
         model = self.lightning_module
+        if self.dropin is not None:
+            self.dropin.close(pull=not self._broken)
+            self.dropin = None
+        if self.place:
+            self.dropin = DropIn(model, self.place, self.optimizers, self.workers,
+                                 self._lightning_optimizers)
+            self.dropin.fitting(trainer.training)
+            if not any(isinstance(c, _SyncAtEpochEnd) for c in trainer.callbacks):
+                trainer.callbacks.insert(0, _SyncAtEpochEnd())  # before the user's own
         named = {name: m for name, m in model.named_modules() if isinstance(m, GraphModule)}
         trains = self._trains(model, trainer) if trainer.training else {}
         old, self.runs = self.runs, {}
@@ -127,12 +160,31 @@ class SomatizeStrategy(SingleDeviceStrategy):
             run.close()
         hosts = sorted({h for run in self.runs.values()
                         for h in run.running.placement.workers()})
-        log.info("the graph's placed nodes run on workers %s", hosts)
+        if hosts:
+            log.info("the graph's placed nodes run on workers %s", hosts)
+        elif not self.place:
+            log.warning(
+                "SomatizeStrategy places nothing: every module of %s runs here, as under "
+                "Lightning's own strategy. Name what runs on a worker with "
+                "SomatizeStrategy(place={'encoder': 'worker'}), or .at('worker') on a node "
+                "of a GraphModule", type(model).__name__)
 
     def where(self) -> dict[str, dict[str, dict[int, int]]]:
         """Which processes ran each node of each GraphModule, and how often:
-        ``{graph_module_name: {node: {pid: times}}}`` (the worker's pid for placed nodes)."""
-        return {name: run.where() for name, run in self.runs.items()}
+        ``{graph_module_name: {node: {pid: times}}}`` (the worker's pid for placed nodes);
+        placed submodules under ``""``: ``{"": {"encoder": {pid: times}}}``."""
+        out = {name: run.where() for name, run in self.runs.items()}
+        if self.dropin is not None:
+            self._placed_ran = self.dropin.where()
+        if self._placed_ran:
+            out[""] = self._placed_ran
+        return out
+
+    def sync(self) -> None:
+        """Bring the weights of placed submodules here up to date (during fit they are
+        trained over there, and the copy here is stale until an epoch ends)."""
+        if self.dropin is not None and not self._broken:
+            self.dropin.sync()
 
     def _trains(self, model: pl.LightningModule, trainer: pl.Trainer) -> dict[str, Learning]:
         """What trains each placed node; those nodes' parameters are taken out of
@@ -213,6 +265,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         for run in self.runs.values():
             run.step_trainers()
+        if self.dropin is not None:
+            self.dropin.stepped(optimizer)
         return out
 
     # -- weights and checkpoints --------------------------------------------------------
@@ -226,7 +280,20 @@ class SomatizeStrategy(SingleDeviceStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         self.pull_weights()
+        self.sync()
         return super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        state = super().optimizer_state(optimizer)
+        if self.dropin is not None and not self._broken:
+            state = self.dropin.optimizer_state(optimizer, state)
+        return state
+
+    @override
+    def on_validation_start(self) -> None:
+        self.sync()  # what a callback reads during validation is what was trained
+        super().on_validation_start()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
@@ -239,6 +306,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         super().load_optimizer_state_dict(checkpoint)
+        if self.dropin is not None:
+            self.dropin.load_optimizer_states(list(checkpoint.get("optimizer_states", [])))
         for name, states in checkpoint.get("somatize", {}).get("trainers", {}).items():
             if name in self.runs:
                 self.runs[name].load_state({n: {"trainer": st} for n, st in states.items()})
@@ -254,9 +323,22 @@ class SomatizeStrategy(SingleDeviceStrategy):
         for name, run in self.runs.items():
             self._graph_modules.get(name, _Nobody).runner = None
             run.discard()
+        if self.dropin is not None:
+            self._placed_ran = self.dropin.where()  # still readable after fit
+            dropin, self.dropin = self.dropin, None
+            dropin.close(pull=not self._broken)
         if self._broken:
             self.close()  # a dead worker: nothing over there to keep a session for
         super().teardown()
+
+
+class _SyncAtEpochEnd(pl.Callback):
+    """Brings the placed modules' weights here up to date as an epoch ends, before the
+    user's callbacks read them."""
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.strategy.sync()
 
 
 class _Nobody:

@@ -1,0 +1,317 @@
+"""A submodule placed on a worker and called as the model's code calls it: any arguments
+(tensors, nested tuples, lists and dicts of tensors and plain values), any nested output,
+several calls per step, a gradient to every argument that asks for one.
+
+The module travels once (as a node of a one-node-per-module graph, driven by ``Step``);
+a call sends its arguments, the RNG state and the grad mode, and comes back with the
+outputs and the advanced RNG state; the autograd graph here holds one ``_Remote`` node
+per call whose backward sends dL/d(outputs) and receives dL/d(arguments). The weights'
+gradients accumulate over there, where optimizers that mirror the ones here (group by
+group, hyper-parameters sent with each step) apply them.
+
+    link = Link(step, "encoder", module)      # step: a Step over the placed modules
+    link.install()                            # module(x) now runs over there
+    y = module(x, mask=m); y.sum().backward() # the encoder's weights get .grad there
+    link.step(0, optimizer)                   # queued; sent with the next call
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import itertools
+import os
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .._errors import Refused
+from ._module import ModuleNode
+
+
+class Placed(ModuleNode):
+    """A placed module where it runs: the calls kept for their backward, and the
+    optimizers that mirror the ones here (by index of the optimizer here)."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__(module)
+        self.kept: dict[int, tuple[list, list]] = {}
+        self.mirrors: dict[int, torch.optim.Optimizer] = {}
+
+
+# -- arguments and answers: tensors out of their structure and back ----------------------
+
+class _Slot(int):
+    """Where the i-th tensor of a structure stood."""
+
+
+def tree_flatten(obj: Any) -> tuple[list, Any]:
+    """The tensors and plain values of a nested structure, and its shape (which pickles)."""
+    flat: list = []
+
+    def split(o):
+        if isinstance(o, tuple) and hasattr(o, "_fields"):
+            return ("nt", type(o), [split(v) for v in o])
+        if isinstance(o, (tuple, list)):
+            return (type(o).__name__, [split(v) for v in o])
+        if isinstance(o, dict):
+            return ("dict", [(k, split(v)) for k, v in o.items()])
+        flat.append(o)
+        return _Slot(len(flat) - 1)
+
+    return flat, split(obj)
+
+
+def tree_unflatten(flat: list, shape: Any) -> Any:
+    """The structure ``tree_flatten`` read, with ``flat``'s values in place."""
+    if isinstance(shape, _Slot):
+        return flat[shape]
+    if shape[0] == "nt":
+        return shape[1](*[tree_unflatten(flat, v) for v in shape[2]])
+    if shape[0] == "dict":
+        return {k: tree_unflatten(flat, v) for k, v in shape[1]}
+    items = [tree_unflatten(flat, v) for v in shape[1]]
+    return tuple(items) if shape[0] == "tuple" else items
+
+
+# -- run over there, against the worker's live graph (the transport's generic call) --------
+
+def _apply(placed: Placed, ops: list) -> None:
+    for op in ops:
+        if op[0] == "step":
+            _, i, groups = op
+            opt = placed.mirrors[i]
+            for group, hyper in zip(opt.param_groups, groups, strict=True):
+                group.update(hyper)
+            opt.step()
+        elif op[0] == "zero":
+            _, i, set_to_none = op
+            placed.mirrors[i].zero_grad(set_to_none=set_to_none)
+        elif op[0] == "modes":
+            for m, mode in zip(placed.module.modules(), op[1], strict=True):
+                m.training = mode
+        elif op[0] == "weights":
+            _copy_into(placed.module, op[1])
+
+
+def _call(live, name: str, call: int, flat: list, spec: Any, needs: list[bool], grad: bool,
+          inference: bool, rng: torch.Tensor, ops: list):
+    placed = live.catalog[name]
+    _apply(placed, ops)
+    torch.set_rng_state(rng)
+    leaves = [t.detach().requires_grad_() if need else t
+              for t, need in zip(flat, needs, strict=True)]
+    args, kwargs = tree_unflatten(leaves, spec)
+    if inference:
+        with torch.inference_mode():
+            out = placed.module(*args, **kwargs)
+    else:
+        with torch.set_grad_enabled(grad):
+            out = placed.module(*args, **kwargs)
+    out_flat, out_spec = tree_flatten(out)
+    tensors = [t for t in out_flat if isinstance(t, torch.Tensor) and t.requires_grad]
+    if grad and tensors:
+        placed.kept[call] = ([t if need else None
+                              for t, need in zip(leaves, needs, strict=True)], out_flat)
+    answer = [t.detach() if isinstance(t, torch.Tensor) else t for t in out_flat]
+    return answer, out_spec, torch.get_rng_state(), os.getpid()
+
+
+def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
+    placed = live.catalog[name]
+    _apply(placed, ops)  # a zero_grad between the forward and this backward
+    leaves, outs = placed.kept.pop(call)
+    tensors = [o for o in outs if isinstance(o, torch.Tensor)]  # as _Remote answered them
+    pairs = [(o, g) for o, g in zip(tensors, grads, strict=True)
+             if g is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    return [None if leaf is None else leaf.grad for leaf in leaves]
+
+
+def _mirror(live, name: str, i: int, groups: list, cls: type, defaults: dict) -> None:
+    placed = live.catalog[name]
+    params = dict(placed.module.named_parameters())
+    placed.mirrors[i] = cls([{**hyper, "params": [params[n] for n in names]}
+                             for names, hyper in groups], **defaults)
+
+
+def _run_ops(live, name: str, ops: list) -> None:
+    _apply(live.catalog[name], ops)
+
+
+def _state(live, name: str, ops: list) -> dict:
+    placed = live.catalog[name]
+    _apply(placed, ops)
+    names = {id(p): n for n, p in placed.module.named_parameters()}
+    optim = {i: {names[id(p)]: copy.deepcopy(st) for p, st in opt.state.items()}
+             for i, opt in placed.mirrors.items()}
+    weights = {k: v.detach().clone() for k, v in placed.module.state_dict().items()}
+    return {"weights": weights, "optimizers": optim}
+
+
+def _load_optimizer(live, name: str, i: int, by_name: dict) -> None:
+    opt = live.catalog[name].mirrors[i]
+    names = {id(p): n for n, p in live.catalog[name].module.named_parameters()}
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    sd = opt.state_dict()
+    sd["state"] = {k: by_name[n] for k, n in enumerate(order) if n in by_name}
+    opt.load_state_dict(sd)
+
+
+def _copy_into(module: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for k, t in module.state_dict(keep_vars=True).items():
+            if k in weights:
+                t.copy_(weights[k])
+
+
+# -- here: the module's stand-in ------------------------------------------------------
+
+class _Remote(torch.autograd.Function):
+    """One call over there, as a node of the autograd graph here."""
+
+    @staticmethod
+    def forward(ctx, link, call, anchor, *inputs):
+        ctx.set_materialize_grads(False)
+        ctx.link, ctx.call = link, call
+        outs = [t for t in link.answer if isinstance(t, torch.Tensor)]
+        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        back = ctx.link._backward(ctx.call, grads)
+        return (None, None, None, *back)
+
+
+class Link:
+    """The module here, standing in for the one placed on ``host``: calls go there."""
+
+    def __init__(self, step: Any, name: str, module: torch.nn.Module, host: str):
+        self.step, self.name, self.module, self.host = step, name, module, host
+        self.calls = itertools.count()
+        self.ops: list = []  # steps, zero_grads, modes, writes: sent with the next call
+        self.modes: tuple | None = None
+        self.versions: dict[str, int] = {}
+        self.fitting = False
+        self._previous = None
+        self.needs: dict[int, list[bool]] = {}  # per call in flight: which arguments ask dL/d
+        self._hooks: list = []
+        self.answer: list = []
+
+    # -- installing --------------------------------------------------------------------
+    def install(self) -> None:
+        """Route the module's calls to the worker; refuse its children's calls here."""
+        self._previous = self.module.__dict__.get("forward")  # someone else's wrapper, kept
+        self.module.forward = self.forward  # an instance attribute: the class is untouched
+        for path, child in self.module.named_modules():
+            if child is not self.module:
+                self._hooks.append(child.register_forward_pre_hook(
+                    functools.partial(_refuse_here, self, path)))
+        self.remember()
+
+    def uninstall(self) -> None:
+        self.module.__dict__.pop("forward", None)
+        if self._previous is not None:
+            self.module.forward = self._previous
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    # -- a call --------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.catch_writes()
+        flat, spec = tree_flatten((args, kwargs))
+        grad = torch.is_grad_enabled()
+        needs = [grad and isinstance(t, torch.Tensor) and t.requires_grad for t in flat]
+        sent = [t.detach() if isinstance(t, torch.Tensor) else t for t in flat]
+        modes = tuple(m.training for m in self.module.modules())
+        if modes != self.modes:
+            self.ops.append(("modes", modes))
+            self.modes = modes
+        call = next(self.calls)
+        ops, self.ops = self.ops, []
+        self.answer, out_spec, rng, pid = self.step.runtime.call(
+            self.host, _call, self.name, call, sent, spec, needs, grad,
+            torch.is_inference_mode_enabled(), torch.get_rng_state(), ops)
+        torch.set_rng_state(rng)  # what one piece's draws would have left it at
+        self.step.ran.setdefault(self.name, Counter())[pid] += 1
+        if not (grad and any(isinstance(t, torch.Tensor) and t.is_floating_point()
+                             for t in self.answer)):
+            return tree_unflatten(self.answer, out_spec)
+        self.needs[call] = needs
+        anchor = torch.empty(0, requires_grad=True)  # so the call is in the graph
+        outs = iter(_Remote.apply(self, call, anchor,
+                                  *[t for t, need in zip(flat, needs, strict=False) if need]))
+        return tree_unflatten([next(outs) if isinstance(t, torch.Tensor) else t
+                               for t in self.answer], out_spec)
+
+    def _backward(self, call: int, grads: tuple) -> list:
+        ops, self.ops = self.ops, []
+        back = self.step.runtime.call(self.host, _backward, self.name, call, list(grads), ops)
+        return [g for g, need in zip(back, self.needs.pop(call), strict=False) if need]
+
+    # -- the optimizers over there ---------------------------------------------------------
+    def mirror(self, i: int, optimizer: torch.optim.Optimizer, groups: list) -> None:
+        """Build, over there, the mirror of optimizer ``i`` over the placed parameters."""
+        names = [names for _, names in groups]
+        hyper = [_hyper(optimizer.param_groups[g]) for g, _ in groups]
+        # the class travels by value where it must (cloudpickle pickles the call)
+        fn = functools.partial(_mirror, cls=type(optimizer), defaults=dict(optimizer.defaults))
+        self.step.runtime.call(self.host, fn, self.name, i, list(zip(names, hyper, strict=True)))
+
+    def stepped(self, i: int, optimizer: torch.optim.Optimizer, groups: list) -> None:
+        """Optimizer ``i`` stepped here: its mirror steps over there, with its groups'
+        hyper-parameters as they are now (a scheduler's lr included)."""
+        self.ops.append(("step", i, [_hyper(optimizer.param_groups[g]) for g, _ in groups]))
+
+    def zeroed(self, i: int, set_to_none: bool) -> None:
+        self.ops.append(("zero", i, set_to_none))
+
+    def flush(self) -> None:
+        """Send what is queued (steps, zero_grads) now."""
+        self.catch_writes()
+        if self.ops:
+            ops, self.ops = self.ops, []
+            self.step.runtime.call(self.host, _run_ops, self.name, ops)
+
+    # -- the weights here -------------------------------------------------------------------
+    def pull(self) -> dict:
+        """Bring the weights here up to date; return the mirrors' states by parameter name."""
+        self.catch_writes()
+        ops, self.ops = self.ops, []
+        got = self.step.runtime.call(self.host, _state, self.name, ops)
+        _copy_into(self.module, got["weights"])
+        self.remember()
+        return got["optimizers"]
+
+    def remember(self) -> None:
+        self.versions = {k: t._version for k, t in self.module.state_dict(keep_vars=True).items()}
+
+    def catch_writes(self) -> None:
+        """A write here since the last sync (SWA, load_state_dict): sent over there."""
+        now = self.module.state_dict(keep_vars=True)
+        changed = {k: t.detach().clone() for k, t in now.items()
+                   if t._version != self.versions.get(k)}
+        if changed:
+            self.ops.append(("weights", changed))
+            self.remember()
+
+    def load_optimizer(self, i: int, by_name: dict) -> None:
+        self.step.runtime.call(self.host, _load_optimizer, self.name, i, by_name)
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _refuse_here(link: Link, path: str, module, args) -> None:
+    if link.fitting:
+        raise Refused(
+            f"{link.name}.{path} is part of {link.name!r}, which is placed on worker "
+            f"{link.host!r}: during fit its weights here are a stale copy, so it cannot run "
+            f"here. Call {link.name!r} itself (it runs over there), or read its weights after "
+            "trainer.strategy.sync()")

@@ -1,0 +1,128 @@
+"""The drop-in route: unmodified LightningModules (Lightning's own demo Transformer, a
+classic autoencoder, manual optimization, a siamese call) with submodules placed on a
+worker by name, against plain Lightning bit for bit. Each run is a subprocess
+(tests/dropin_runs.py): RPC starts once per process."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RUNS = os.path.join(ROOT, "tests", "dropin_runs.py")
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+
+
+def run(tmp_path, *args, timeout=300):
+    out = tmp_path / f"{args[0]}.pt"
+    done = subprocess.run([sys.executable, RUNS, args[0], str(out), *map(str, args[1:])],
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out, weights_only=False), done.stderr
+
+
+def same(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("case,placed,calls_per_step", [
+    ("transformer", "model.transformer", 1),   # Lightning's demo, dropout 0.2
+    ("autoencoder", "encoder", 1),   # two param groups, per-step StepLR, accumulate 2
+    ("manual", "encoder", 1),        # two optimizers stepped at different rates
+    ("siamese", "encoder", 2),       # a dict of tensors, called twice per step
+])
+def test_a_placed_submodule_trains_over_there_to_plain_lightnings_numbers(
+        tmp_path, case, placed, calls_per_step):
+    got, _ = run(tmp_path, case)
+    plain_losses, plain = got["plain"]
+    split_losses, split = got["split"]
+    assert len(plain_losses) >= 5
+    assert split_losses == plain_losses
+    assert plain.keys() == split.keys()  # the module's own keys: nothing renamed
+    for k in plain:
+        assert torch.equal(split[k], plain[k]), k
+    # the placed module's forward ran in another process, once per call
+    ran = got["ran"][placed]
+    assert got["pid"] not in ran and len(ran) == 1
+    assert sum(ran.values()) >= calls_per_step * len(split_losses)
+
+
+def test_a_checkpoint_written_under_the_strategy_is_plain_lightnings_and_resumes_both_ways(
+        tmp_path):
+    got, _ = run(tmp_path, "resumes", timeout=400)
+    oracle = got["plain-plain"]  # plain Lightning resumed from its own epoch-1 checkpoint
+    # written under the strategy after epoch 1: what plain Lightning writes
+    assert same(got["split-plain"]["ckpt"], oracle["ckpt"])
+    for resumed in ("plain-split", "split-plain"):
+        assert got[resumed]["losses"] == oracle["losses"], resumed
+        assert same(got[resumed]["weights"], oracle["weights"]), resumed
+
+
+def test_the_copy_here_is_refused_during_fit_and_up_to_date_at_every_epoch_end(tmp_path):
+    got, _ = run(tmp_path, "stale")
+    assert "'encoder', which is placed on worker 'worker'" in got["said"]
+    assert "stale" in got["said"] and "sync()" in got["said"]
+    plain, split = got["seen"]["plain"], got["seen"]["split"]
+    assert len(plain) == len(split) == 2
+    assert all(torch.equal(a, b) for a, b in zip(plain, split, strict=True))
+
+
+# -- refused before the first batch, in this process (nothing starts a worker) ------------
+
+import lightning.pytorch as pl  # noqa: E402
+from dropin_runs import AutoEncoder, digits  # noqa: E402
+from torch import nn  # noqa: E402
+
+from somatize import Refused  # noqa: E402
+from somatize.lightning import SomatizeStrategy  # noqa: E402
+
+
+def fit_here(model, strategy, **kw):
+    pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False,
+               enable_model_summary=False, enable_checkpointing=False, **kw,
+               strategy=strategy).fit(model, digits())
+
+
+def test_placing_a_missing_submodule_is_refused_with_the_names_nearby():
+    with pytest.raises(Refused, match=r"place names 'encodr'.*\['encoder'"):
+        fit_here(AutoEncoder(), SomatizeStrategy(place={"encodr": "worker"}))
+
+
+class Tied(AutoEncoder):
+    def __init__(self):
+        super().__init__()
+        self.tied = nn.Linear(32, 8)
+        self.tied.weight = self.encoder[3].weight  # one tensor, here and in the encoder
+
+
+class WithLBFGS(AutoEncoder):
+    def configure_optimizers(self):
+        return torch.optim.LBFGS(self.parameters())
+
+
+def test_a_weight_tied_across_the_cut_and_an_optimizer_with_a_closure_are_refused():
+    with pytest.raises(Refused, match=r"'tied.weight' is the same tensor as one inside "
+                                      r"'encoder'"):
+        fit_here(Tied(), SomatizeStrategy(place={"encoder": "worker"}))
+    with pytest.raises(Refused, match="LBFGS holds parameters of \\['encoder'\\]"):
+        fit_here(WithLBFGS(), SomatizeStrategy(place={"encoder": "worker"}))
+
+
+def test_more_than_one_device_is_refused_naming_devices():
+    with pytest.raises(Refused, match=r"devices=2"):
+        fit_here(AutoEncoder(), SomatizeStrategy(place={"encoder": "worker"}),
+                 accelerator="cpu", devices=2)
+
+
+def test_a_strategy_that_places_nothing_says_so(caplog):
+    fit_here(AutoEncoder(), SomatizeStrategy(), max_steps=1)
+    assert "SomatizeStrategy places nothing" in caplog.text
+    assert "place={'encoder': 'worker'}" in caplog.text
