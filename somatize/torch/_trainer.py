@@ -17,6 +17,8 @@ on its own leaves the weights here up to date): ``flush()`` (done by ``fit``,
                  lr=0.1), trains=trains) as t:
         t.fit(data, epochs=10)
         weights = t.state_dict()["nodes"]["body"]     # read over there when it runs there
+
+    Trainer(g, cross_entropy, opt, trains=trains, micro_batches=4)   # 1F1B: _pipeline.py
 """
 
 from __future__ import annotations
