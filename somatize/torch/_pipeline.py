@@ -18,18 +18,20 @@ The schedule is a list of typed actions: ``F`` (a stage's forward of a piece), `
 objective of a piece and its ``backward()`` into the last stage), ``B`` (a stage's
 backward: its trainers learn, autograd walks what is here). It is read off the classic
 1F1B timeline: stage s of m runs min(m-1-s, k) forwards ahead, then one forward, one
-backward, then the backwards left; slot by slot, a stage that runs wholly on workers
-(a *lane*) is sent its action before the coordinator runs its own. A lane is one thread
-that sends its actions in order, each once the last is answered; the coordinator goes on
-meanwhile and waits only for what it reads. With the body on a worker (stage 0, a lane)
-and the head here (stage 1), k = 4:
+backward, then the backwards left, so a stage holds at most m-s pieces in flight. A stage
+that runs wholly on workers is a *lane*: its actions are sent as early as their inputs
+allow, from one thread that sends them in order, each once the last is answered; the
+coordinator goes on meanwhile, runs the rest in the timeline's order, and waits only for
+what it reads. With the body on a worker (stage 0, a lane) and the head here (stage 1),
+k = 4, in columns of what runs at once:
 
-    lane (worker):  F0  F1  .   B0  F2  B1  F3  B2  .   B3  step
-    here:               F0  L0  B0  F1  L1  B1  ...         step
+    worker:  F0  F1        B0 F2     B1 F3     B2        B3 step
+    here:        F0 L0 B0  F1 L1 B1  F2 L2 B2  F3 L3 B3  step
 
-so the worker computes piece i+1's body while the coordinator computes piece i's head.
-With no lane (every stage here, or none on a worker alone) there is nothing to overlap,
-and the pieces run one after another: the order one piece in one process runs them in.
+so the worker computes piece i+1's body while the coordinator computes piece i's head;
+each side takes its pieces in order, so a side that draws random numbers draws what one
+piece would. With no lane (every stage here, or none wholly on workers) there is nothing
+to overlap, and the pieces run one after another, in one piece's own order.
 """
 
 from __future__ import annotations
