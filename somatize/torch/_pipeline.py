@@ -250,7 +250,8 @@ class Pipeline:
     def _abandon(self, sent: list[Future]) -> None:
         """A batch failed midway: let what is in flight land, then forget the batch's
         activations and gradients everywhere, so the next batch starts clean."""
-        wait(sent)
+        sent, self.pending = sent + self.pending, []
+        wait(sent)  # their errors are this one's consequences, or said by it
         for lane in self.lanes.values():
             lane.failed = None
         try:
