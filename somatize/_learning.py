@@ -78,6 +78,12 @@ class Learning:
     # False: learn() applies what it learned at once. True: it only accumulates, and the
     # driver calls step() when its own optimizer steps (Lightning's accumulate_grad_batches)
     accumulates: bool = False
+    # how many forwards may await their learn (micro-batches in flight); learn answers them
+    # oldest first, and a forward beyond this many forgets the oldest (it got no backward)
+    in_flight: int = 1
+    # the dtype activations and gradients cross the cut in (None: as they are); the step
+    # driver narrows the gradients it sends, the trainer what it answers
+    wire: Any = None
 
     def enter(self, x: Any, ctx: Ctx) -> Any:
         """Called with the node's input; returns what the node is handed."""
@@ -93,6 +99,10 @@ class Learning:
 
     def step(self) -> None:
         """Apply what ``learn`` accumulated, then forget it (only when ``accumulates``)."""
+
+    def forget(self) -> None:
+        """Drop what a step that failed midway left: forwards awaiting their ``learn``
+        and what ``learn`` accumulated, so the next step starts clean."""
 
     def state_dict(self) -> dict:
         """What this trainer holds beyond the node's weights (an optimizer's state)."""

@@ -149,7 +149,8 @@ class Losses(pl.Callback):
 
 def fit(model, strategy, data=None, **kw):
     losses = Losses()
-    trainer = pl.Trainer(logger=kw.pop("logger", False), enable_progress_bar=False, enable_model_summary=False,
+    trainer = pl.Trainer(logger=kw.pop("logger", False), enable_progress_bar=False,
+                         enable_model_summary=False,
                          strategy=strategy, callbacks=[losses, *kw.pop("callbacks", [])],
                          **{"enable_checkpointing": False, **kw})
     trainer.fit(model, data)

@@ -40,6 +40,16 @@ class Head(models.Head):
         super().__init__(None, n_in)
 
 
+class Drop(Node):
+    """Dropout (half the values, scaled), drawn from torch's generator while training."""
+
+    def forward(self, x, ctx):
+        return Done(Opaque(torch.nn.functional.dropout(x, 0.5, training=ctx.training)))
+
+    def parameters(self):
+        return []
+
+
 class Mute(Node):
     """Has weights but does not say so (no parameters())."""
 

@@ -19,6 +19,7 @@ is walked through by autograd, one call per stage.
 from __future__ import annotations
 
 import copy
+import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -37,6 +38,7 @@ from .._stages import levels, stages
 from .._trace import span
 from .._values import Opaque, bare
 from ._freeze import freeze, state_of
+from ._split import narrowed
 
 
 class Step:
@@ -51,11 +53,15 @@ class Step:
         defer: let a remote root trainer nobody upstream needs dL/dx from take its
             gradient with the next step's input (one round trip per step); a driver that
             steps trainers itself, right after the backward, says False.
+        micro_batches: how many pieces a batch is cut into (``Pipeline`` drives them):
+            above 1, every trainer accumulates (stepped once per batch, by the driver)
+            and keeps that many activations in flight, and nothing is deferred.
     """
 
     def __init__(self, graph: Graph, trains: Mapping[str, Learning] | None = None, *,
                  workers: Mapping[str, Any] | None = None, store: Any = None,
-                 optimizers: Iterable[torch.optim.Optimizer] = (), defer: bool = True):
+                 optimizers: Iterable[torch.optim.Optimizer] = (), defer: bool = True,
+                 micro_batches: int = 1):
         self.graph = graph
         if workers is not None and not isinstance(workers, Mapping):
             raise WorkerError(f"workers= takes a dict {{host: Worker}}, not a "
@@ -65,6 +71,10 @@ class Step:
         optimizers = [o for o in optimizers if o is not None]
         refuse(graph, self.trains, optimizers)
         settle(graph)
+        if micro_batches > 1:  # set before the trainers are sent to where they run
+            for trainer in self.trains.values():
+                trainer.accumulates, trainer.in_flight = True, micro_batches
+            defer = False
         self.keeper = _holes.keeper(store)
         # the graph that runs (trainers around their nodes): this step's own object, so the
         # runtime the transport holds for it is this step's alone (its own session)
@@ -79,6 +89,7 @@ class Step:
         self.made: dict[str, Any] | None = None  # the forward awaiting its backward
         self.owed: dict[str, Any] = {}  # gradients deferred to the next step's input
         self.ran: dict[str, Counter] = {}  # node -> {pid of the process that ran it: times}
+        self._counting = threading.Lock()
         self._plan_stages(defer)
 
     def _plan_stages(self, defer: bool) -> None:
@@ -138,23 +149,32 @@ class Step:
                 fed[Position(r, IN) if r in self.trains else r] = x
         handed: dict[str, Any] = {}  # each value as later stages (and the objective) got it
         made: dict[str, Any] = {}  # node -> (value, its leaf)
-        for k, order in enumerate(self.orders):
-            out = walk(self.running, order, inputs=fed, given=handed,
-                       keeper=self.keeper if k == 0 else None, naming=self.naming and k == 0,
-                       training=True, remote=self.runtime, wanted=self.wanted[k],
-                       meanwhile=meanwhile if k == 0 else None)
-            self._count(out)
-            for n in self.wanted[k]:
-                if n in self.kept:
-                    handed[n] = out.values[n]
-                    continue
-                # each stage starts a fresh autograd graph: what it is handed is a leaf
-                handed[n], made[n] = _leaf(out.values[n], n in self.trains)
+        for k in range(len(self.orders)):
+            self._count(self.stage_forward(k, fed, handed, made,
+                                           meanwhile if k == 0 else None))
         return output(self.graph, handed, self.sinks), made
 
+    def stage_forward(self, k: int, fed: Mapping[Any, Any], handed: dict[str, Any],
+                      made: dict[str, Any], meanwhile: Callable[[], None] | None = None
+                      ) -> Outcome:
+        """Walk stage ``k`` on ``fed`` (its roots' inputs) and what earlier stages
+        ``handed``; add what it hands on to ``handed`` and its leaves to ``made``."""
+        out = walk(self.running, self.orders[k], inputs=fed, given=handed,
+                   keeper=self.keeper if k == 0 else None, naming=self.naming and k == 0,
+                   training=True, remote=self.runtime, wanted=self.wanted[k],
+                   meanwhile=meanwhile)
+        for n in self.wanted[k]:
+            if n in self.kept:
+                handed[n] = out.values[n]
+                continue
+            # each stage starts a fresh autograd graph: what it is handed is a leaf
+            handed[n], made[n] = _leaf(out.values[n], n in self.trains)
+        return out
+
     def _count(self, out: Outcome) -> None:
-        for n, pid in out.pids.items():
-            self.ran.setdefault(node_of(n), Counter())[pid] += 1
+        with self._counting:  # micro-batches: stages on workers are answered on other threads
+            for n, pid in out.pids.items():
+                self.ran.setdefault(node_of(n), Counter())[pid] += 1
 
     def where(self) -> dict[str, dict[int, int]]:
         """Which processes ran each node, and how often: ``{node: {pid: times}}``."""
@@ -167,34 +187,42 @@ class Step:
         made, self.made = self.made, None
         if made is None:
             return
+        owed: dict[str, Any] = {}  # dL/d(value) that trainers answered, by producer
+        for k in reversed(range(len(self.stages))):
+            self.stage_backward(k, made, owed)
+
+    def stage_backward(self, k: int, made: Mapping[str, Any], owed: dict[str, Any],
+                       defer: bool = True) -> None:
+        """Walk stage ``k`` back: its trainers get dL/d(output) (from ``made``'s leaves and
+        what later trainers ``owed``) and add what they answer to ``owed`` by producer;
+        what sits between them here is walked through by autograd. ``defer``: a deferrable
+        trainer's gradient waits for the next step's input."""
         preds = self.graph.preds
-        owed: dict[str, torch.Tensor] = {}  # dL/d(value) that trainers answered, by producer
 
         def signal(n: str) -> Any:
             leaf = made[n][1] if made.get(n) else None
             return _plus(None if leaf is None else leaf.grad, owed.pop(n, None))
 
-        for k in reversed(range(len(self.stages))):
-            for n in self.trainers[k]:
-                s = signal(n)
-                if n in self.deferrable:
-                    self.owed[n] = s
-                    continue
-                grad_in = self.learn(n, s)
-                if grad_in is not None and preds[n]:
-                    (p,) = preds[n]
-                    owed[p] = _plus(owed.get(p), grad_in)
-            values, grads = [], []
-            for n in self.through[k]:
-                if not made.get(n) or not made[n][0].requires_grad:
-                    continue
-                s = signal(n)
-                if s is not None:
-                    values.append(made[n][0])
-                    grads.append(s)
-            if values:
-                with span(f"backward stage {k} here", "node"):
-                    torch.autograd.backward(values, grads)
+        for n in self.trainers[k]:
+            s = narrowed(signal(n), self.trains[n].wire)  # as it crosses to the trainer
+            if defer and n in self.deferrable:
+                self.owed[n] = s
+                continue
+            grad_in = bare(self.learn(n, s))  # bare: cast back if it crossed narrowed
+            if grad_in is not None and preds[n]:
+                (p,) = preds[n]
+                owed[p] = _plus(owed.get(p), grad_in)
+        values, grads = [], []
+        for n in self.through[k]:
+            if not made.get(n) or not made[n][0].requires_grad:
+                continue
+            s = signal(n)
+            if s is not None:
+                values.append(made[n][0])
+                grads.append(s)
+        if values:
+            with span(f"backward stage {k} here", "node"):
+                torch.autograd.backward(values, grads)
 
     def discard(self) -> None:
         """Forget a forward whose loss got no backward (nothing is kept for it)."""
@@ -229,14 +257,25 @@ class Step:
                 "or leave their parameters out of the optimizer")
 
     # -- the trainers' steps and state --------------------------------------------------
-    def step_trainers(self) -> None:
-        """Apply what accumulating trainers learned (when the optimizer here steps)."""
+    def step_trainers(self, names: Iterable[str] | None = None) -> None:
+        """Apply what accumulating trainers learned (when the optimizer here steps):
+        those of ``names``, or every one."""
         by_host: dict[str | None, list[str]] = {}
-        for n, t in self.trains.items():
-            if t.accumulates:
+        for n in self.trains if names is None else names:
+            if self.trains[n].accumulates:
                 by_host.setdefault(self.graph.placement.get(n), []).append(n)
-        for host, names in by_host.items():
-            self._on(host, _step_trainers, names)
+        for host, ns in by_host.items():
+            self._on(host, _step_trainers, ns)
+
+    def forget(self) -> None:
+        """Make every trainer forget a step that failed midway: the activations awaiting
+        their gradient and what it accumulated (``Learning.forget``)."""
+        self.made, self.owed = None, {}
+        by_host: dict[str | None, list[str]] = {}
+        for n in self.trains:
+            by_host.setdefault(self.graph.placement.get(n), []).append(n)
+        for host, ns in by_host.items():
+            self._on(host, _forget_trainers, ns)
 
     def state(self) -> dict[str, dict[str, Any]]:
         """Each trained node's weights and its trainer's state, read where they live:
@@ -357,6 +396,11 @@ def _learn(live: Graph, n: str, signal: Any) -> Any:
 def _step_trainers(live: Graph, names: list[str]) -> None:
     for n in names:
         live.catalog[n].step()
+
+
+def _forget_trainers(live: Graph, names: list[str]) -> None:
+    for n in names:
+        live.catalog[n].forget()
 
 
 def _read_trainer(live: Graph, n: str) -> dict:

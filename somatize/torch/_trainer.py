@@ -17,6 +17,8 @@ on its own leaves the weights here up to date): ``flush()`` (done by ``fit``,
                  lr=0.1), trains=trains) as t:
         t.fit(data, epochs=10)
         weights = t.state_dict()["nodes"]["body"]     # read over there when it runs there
+
+    Trainer(g, cross_entropy, opt, trains=trains, micro_batches=4)   # 1F1B: _pipeline.py
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from typing import Any
 
 import torch
 
-from .._errors import SomatizeError
+from .._errors import Refused, SomatizeError
 from .._graph import Graph
 from .._learning import Learning
 from .._memory import has_state
 from .._trace import span
+from ._pipeline import Pipeline
 from ._step import Step, restore, snapshot
 from ._tracer import Tracer
 
@@ -55,6 +58,13 @@ class Trainer:
             ``.frozen()`` nodes are settled (``freeze``) when the trainer is built.
         trace: a path: write a Chrome trace-event file of the run there (Perfetto,
             chrome://tracing), written at the end of ``fit`` and at ``close``.
+        micro_batches: cut each batch into this many pieces (``tensor_split`` along dim
+            0) that go through the stages in a 1F1B schedule, so the workers compute
+            while this process does (``_pipeline.py``): each piece's loss divided by it,
+            gradients accumulated in piece order, every optimizer stepped once per batch
+            (the trainers in ``trains`` are set to accumulate and keep that many
+            activations). The same numbers as one piece trained on the same cut with the
+            same accumulation, when at most one side draws random numbers.
     """
 
     def __init__(
@@ -66,14 +76,23 @@ class Trainer:
         workers: Mapping[str, Any] | None = None,
         store: Any = None,
         trace: str | os.PathLike | None = None,
+        micro_batches: int = 1,
     ):
+        if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or \
+                micro_batches < 1:
+            raise Refused(
+                f"Trainer(micro_batches={micro_batches!r}) for the graph {list(graph.roots)} "
+                f"-> {list(graph.sinks)}: give how many pieces to cut each batch into, a whole "
+                "number from 1 (the whole batch at once), e.g. micro_batches=4")
         self.graph = graph
         self.objective = objective
         self.optimizer = optimizer
         self.trains: dict[str, Learning] = dict(trains or {})
+        self.micro_batches = micro_batches
         self._tracer = Tracer(trace) if trace is not None else None
         self._step = Step(graph, self.trains, workers=workers, store=store,
-                          optimizers=[optimizer])
+                          optimizers=[optimizer], micro_batches=micro_batches)
+        self._pipeline = Pipeline(self._step, micro_batches) if micro_batches > 1 else None
         if self._tracer is not None:
             self._tracer.add(self._step.runtime)
         self._roots = graph.roots
@@ -87,6 +106,8 @@ class Trainer:
     def step(self, batch: tuple[Any, Any]) -> float:
         """Train on one ``(input, target)`` batch; return the loss as a float."""
         x, target = _pair(batch)
+        if self._pipeline is not None:
+            return self._step_pieces(x, target)
         step = self._step
         out = step.forward(dict.fromkeys(self._roots, x), meanwhile=self._step_local)
         loss = _scalar(self.objective(out, target))
@@ -100,6 +121,21 @@ class Trainer:
                 self._step_local()  # a step() on its own leaves the weights here up to date
         return loss.item()
 
+    def _step_pieces(self, x: Any, target: Any) -> float:
+        # micro-batches: every piece there and back (the trainers step at the end), then here
+        try:
+            loss = self._pipeline.run(x, target, lambda out, t: _scalar(self.objective(out, t)))
+            if self._step.trains:
+                self._step.check_gradients([self.optimizer])
+        except BaseException:
+            if self.optimizer is not None:
+                self.optimizer.zero_grad()  # what the failed batch accumulated here
+            raise
+        if self.optimizer is not None:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        return loss.item()
+
     def _step_local(self) -> None:
         if self._unstepped:
             self._unstepped = False
@@ -110,6 +146,8 @@ class Trainer:
     def flush(self) -> None:
         """Deliver what a step left owed: gradients to trainers, the local optimizer's step."""
         self._step_local()  # first: it needs no worker, and a lost one must not lose it
+        if self._pipeline is not None:
+            self._pipeline.wait()  # the trainers' steps still in flight
         self._step.flush()
 
     def where(self) -> dict[str, dict[int, int]]:
@@ -185,6 +223,8 @@ class Trainer:
             if self._tracer is not None:
                 self._tracer.write(end=True)
         finally:
+            if self._pipeline is not None:
+                self._pipeline.close()
             self._step.close()
 
     def __enter__(self) -> Trainer:

@@ -1,0 +1,39 @@
+"""Micro-batches and the wire over an embedded worker: each coordinator is a process of
+its own (tests/micro_runs.py), since RPC starts once per process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from micro_runs import EXACT
+from remote_run import HERE, env
+
+
+def run(what: str, timeout: float = 240) -> str:
+    r = subprocess.run([sys.executable, str(HERE / "micro_runs.py"), what], capture_output=True,
+                       text=True, timeout=timeout, env=env(), cwd=HERE)
+    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout}\n{r.stderr[-4000:]}"
+    return r.stdout
+
+
+def test_micro_batches_over_workers_train_to_the_numbers_of_one_piece_on_the_same_cut():
+    # k = 1, 2, 4 and 10 rows cut in 4; the body (and a layer above it) on workers, the
+    # head here drawing dropout masks: losses ==, weights torch.equal, read over there
+    out = run("exact")
+    assert out.splitlines() == [f"ok {name}" for name, *_ in EXACT]
+
+
+def test_a_batch_that_fails_midway_leaves_nothing_on_the_worker():
+    assert run("failed_batch").split() == ["ok", "failed", "batch"]
+
+
+def test_the_digits_over_a_bfloat16_wire_keep_their_accuracy_and_send_half_the_bytes():
+    got = json.loads(run("wire").splitlines()[-1])
+    plain, narrow = got["plain"], got["bf16"]
+    assert plain["accuracy"] > 0.9
+    assert abs(plain["accuracy"] - narrow["accuracy"]) <= 0.01
+    assert plain["loss"] != narrow["loss"]  # not bit-identical, and not said to be
+    # activations and gradients, as the transport carries them: half
+    assert abs(narrow["bytes"] / plain["bytes"] - 0.5) < 0.01, got
