@@ -150,6 +150,11 @@ class Trainer:
             self._pipeline.wait()  # the trainers' steps still in flight
         self._step.flush()
 
+    @property
+    def runtime(self) -> Any:
+        """The ``Runtime`` this trainer's placed nodes run on (None when nothing is placed)."""
+        return self._step.runtime
+
     def where(self) -> dict[str, dict[int, int]]:
         """Which processes ran each node, and how often: ``{node: {pid: times}}``."""
         return self._step.where()
