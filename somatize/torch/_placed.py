@@ -116,7 +116,8 @@ def _call(live, name: str, call: int, flat: list, spec: Any, needs: list[bool], 
         placed.kept[call] = ([t if need else None
                               for t, need in zip(leaves, needs, strict=True)], out_flat)
     answer = [t.detach() if isinstance(t, torch.Tensor) else t for t in out_flat]
-    return answer, out_spec, torch.get_rng_state(), os.getpid()
+    # kept: whether this call waits for a backward (a frozen module's does not)
+    return answer, out_spec, torch.get_rng_state(), os.getpid(), call in placed.kept
 
 
 def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
@@ -234,13 +235,12 @@ class Link:
             self.modes = modes
         call = next(self.calls)
         ops, self.ops = self.ops, []
-        self.answer, out_spec, rng, pid = self.step.runtime.call(
+        self.answer, out_spec, rng, pid, kept = self.step.runtime.call(
             self.host, _call, self.name, call, sent, spec, needs, grad,
             torch.is_inference_mode_enabled(), torch.get_rng_state(), ops)
         torch.set_rng_state(rng)  # what one piece's draws would have left it at
         self.step.ran.setdefault(self.name, Counter())[pid] += 1
-        if not (grad and any(isinstance(t, torch.Tensor) and t.is_floating_point()
-                             for t in self.answer)):
+        if not kept:  # nothing over there asks for dL/d(outputs): no backward to send
             return tree_unflatten(self.answer, out_spec)
         self.needs[call] = needs
         anchor = torch.empty(0, requires_grad=True)  # so the call is in the graph
