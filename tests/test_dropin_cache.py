@@ -121,11 +121,15 @@ def test_caching_a_module_an_optimizer_trains_is_refused_before_the_first_batch(
 
 
 def test_caching_a_module_fed_by_one_that_trains_is_refused_at_its_first_call(tmp_path):
+    model = DigitsModel()
     with pytest.raises(Refused, match="module 'head' is cached, but its input asks for a "
                                       "gradient.*leave 'head' out"):
         trainer(callbacks=[SomatizeCache(tmp_path, modules=["head"])]).fit(
-            DigitsModel(), DigitsData(limit=64))
+            model, DigitsData(limit=64))
     assert not list(tmp_path.rglob("value/*"))  # nothing kept
+    # and the model is its own again after the failed fit: the head's class forward runs
+    assert "forward" not in model.head.__dict__
+    model.head(torch.rand(2, 32, requires_grad=True)).sum().backward()
 
 
 def test_caching_a_missing_module_or_a_placed_one_in_a_keeper_object_is_refused(tmp_path):

@@ -135,7 +135,8 @@ class SomatizeCache(pl.Callback):
                 p.requires_grad_(False)
             module.eval()
             have = module.__dict__.get("forward")
-            if isinstance(have, CachedForward):
+            if isinstance(have, CachedForward):  # left by an earlier fit (see _uninstall)
+                have.active = True
                 have.settle()
                 self.cached[path] = have
             else:
@@ -147,6 +148,9 @@ class SomatizeCache(pl.Callback):
 
     def _uninstall(self) -> None:
         for cached in self.cached.values():
+            # off wherever it is: after an exception the strategy gives it back to the
+            # module only after this callback has run
+            cached.active = False
             if cached.module.__dict__.get("forward") is cached:
                 del cached.module.__dict__["forward"]
                 if cached.previous is not None:
