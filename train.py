@@ -1,10 +1,10 @@
-"""Train the example (an encoder and a classifier head on scikit-learn's digits) with
-Lightning, configured by Hydra (configs/train.yaml).
+"""Train the example (a plain LightningModule: an encoder, ``body``, and a classifier
+``head`` on scikit-learn's digits) with Lightning, configured by Hydra (configs/train.yaml).
 
     python train.py                                  # in one piece, here
     python train.py trainer.max_epochs=3 model.lr=0.2
     python train.py +somatize=split                  # the body on a local worker process
-    python train.py +somatize=split somatize.trains.body.lr=0.05
+    python train.py +somatize=split '~somatize.place' '+somatize.place={head: worker}'
     python train.py +somatize=cached model.body_from=outputs/.../checkpoints/last.ckpt
 
 Give the coordinator ``OMP_WAIT_POLICY=PASSIVE`` when a worker shares its cores (as
@@ -19,7 +19,8 @@ Under torchrun, rank 0 is the coordinator and ranks >= 1 serve as workers:
 
     torchrun --standalone --nproc-per-node=2 train.py +somatize=split
 
-On two machines (the coordinator pinned to rank 0; the worker's name comes from the model):
+On two machines (the coordinator pinned to rank 0; the worker's name comes from
+somatize.place):
 
     # on node A (the coordinator, reachable at 10.0.0.1)
     torchrun --nnodes=2 --nproc-per-node=1 --node-rank=0 --master-addr=10.0.0.1 \
@@ -32,6 +33,7 @@ On two machines (the coordinator pinned to rank 0; the worker's name comes from 
 import logging
 import os
 import sys
+from collections import Counter
 
 import hydra
 import lightning.pytorch as pl
@@ -48,11 +50,12 @@ def main(cfg: DictConfig) -> float | None:
     model = instantiate(cfg.model)
     callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values() if c]
     trainer = instantiate(cfg.trainer, callbacks=callbacks)
+    here = count_calls_here(trainer, model)
     trainer.fit(model, data, ckpt_path=cfg.ckpt_path)
     if not trainer.is_global_zero:
         return None
-    for node, said in where(trainer, model).items():
-        log.info("node %r %s", node, said)
+    for module, said in where(trainer, model, here).items():
+        log.info("module %r %s", module, said)
     if cfg.test:
         acc = trainer.test(model, data, verbose=False)[0]["test_acc"]
         log.info("accuracy on held-out digits: %.3f", acc)
@@ -60,26 +63,39 @@ def main(cfg: DictConfig) -> float | None:
     return None
 
 
-def where(trainer: pl.Trainer, model: pl.LightningModule) -> dict[str, str]:
-    """Where each node of the model's graph ran, by the processes that ran it (the
-    strategy counts them: placement is honoured by one strategy), and for a cached node
-    how many batches it ran for and how many its output was read from the store for."""
-    from somatize.lightning import SomatizeCache, SomatizeStrategy
+def count_calls_here(trainer: pl.Trainer, model: pl.LightningModule) -> Counter:
+    """Count the calls of the model's modules that run in this process (the strategy
+    counts those it places, in the process that ran them)."""
+    placed = getattr(trainer.strategy, "place", None) or {}
+    calls: Counter = Counter()
+    for name, module in model.named_children():
+        if name not in placed:
+            module.register_forward_pre_hook(lambda *_, n=name: calls.update([n]))
+    return calls
 
-    graph = model.net.graph
-    strategy = trainer.strategy
-    ran = strategy.where().get("net", {}) if isinstance(strategy, SomatizeStrategy) else {}
+
+def where(trainer: pl.Trainer, model: pl.LightningModule, here: Counter) -> dict[str, str]:
+    """Where each module of the model ran, by the processes that ran it (placed ones as
+    the strategy counted them, over there), and for a cached module how many of its calls
+    computed its output and how many read it from the store."""
+    from somatize.lightning import SomatizeCache
+
+    ran = trainer.strategy.where().get("", {}) if hasattr(trainer.strategy, "where") else {}
+    placed = getattr(trainer.strategy, "place", None) or {}
     cache = next((c for c in trainer.callbacks if isinstance(c, SomatizeCache)), None)
-    here = os.getpid()
+    me = os.getpid()
     said = {}
-    for n in graph.ids:
-        pids = ran.get(n) or {here: None}  # not counted: GraphModule ran it in this process
-        said[n] = "ran in " + ", ".join(
-            f"process {pid} ({'here' if pid == here else f'worker {graph.placement.get(n)!r}'})"
-            + (f" {times} times" if times else "") for pid, times in pids.items())
-        if cache is not None and n in graph.memory.cached:  # the example caches one node
-            said[n] += (f"; it ran for {cache.misses} batches, its output was read from the "
-                        f"store for {cache.hits}")
+    for name in dict.fromkeys([*(n for n, _ in model.named_children()), *ran]):
+        pids = ran.get(name) or ({me: here[name]} if here[name] else {})
+        if not pids:
+            continue  # never called
+        cached = cache is not None and name in cache.modules
+        said[name] = ("was called in " if cached else "ran in ") + ", ".join(
+            f"process {pid} ({'here' if pid == me else f'worker {placed.get(name)!r}'}) "
+            f"{times} times" for pid, times in pids.items())
+        if cached:  # the example caches one module: the callback's totals are its own
+            said[name] += (f"; it computed its output for {cache.misses} of those calls and "
+                           f"read it from the store for {cache.hits}")
     return said
 
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The main job (README's first command), on scikit-learn's digits — nothing downloaded:
-#   1. the example model trained split: its body on a local worker process, its head here;
-#   2. the head retrained over the now frozen body, whose outputs are kept in a store
-#      (the second epoch on does not run the body at all).
-# Each run prints where each node ran and the held-out accuracy. Extra arguments are
+#   1. the example model (a plain LightningModule) trained split: its body placed on a
+#      local worker process by SomatizeStrategy(place={"body": "worker"}), its head here;
+#   2. the head retrained over the now frozen body, whose outputs SomatizeCache keeps in
+#      a store (the second epoch on does not run the body at all).
+# Each run prints where each module ran (by the pid that ran it) and the held-out accuracy. Extra arguments are
 # Hydra overrides for both runs (e.g. `bash scripts/run.sh trainer.max_epochs=3`).
 # Creates the virtual environment on first use. SOMATIZE_OUT names where the runs write
 # (default outputs/main_job, emptied first).

@@ -14,7 +14,8 @@ import torch
 
 from somatize import Done, Graph, Node, Opaque
 from somatize.lightning import SomatizeStrategy
-from somatize.lightning.digits import Body, DigitsData, DigitsModel
+from somatize.lightning.digits import DigitsData
+from somatize.lightning.digits_graph import Body, DigitsGraphModel
 from somatize.remote import Worker
 from somatize.torch import GraphModule
 
@@ -32,7 +33,7 @@ class Losses(pl.Callback):
 def fit(strategy, *, steps=10, epochs=None, accumulate=1, ckpt_dir=None, ckpt_path=None,
         callbacks=(), model=None):
     pl.seed_everything(0)
-    model = model or DigitsModel(lr=0.5, momentum=0.9)
+    model = model or DigitsGraphModel(lr=0.5, momentum=0.9)
     losses = Losses()
     trainer = pl.Trainer(
         max_steps=steps if epochs is None else -1, max_epochs=epochs, strategy=strategy,
@@ -111,7 +112,7 @@ class Logits(Node):
         return Done(Opaque(x))
 
 
-class AllRemote(DigitsModel):
+class AllRemote(DigitsGraphModel):
     """A model whose only trainable weights are on the worker."""
 
     def __init__(self):
@@ -178,7 +179,7 @@ def lost_checkpoint(out):
 
 def standing(out, address):
     """One process: a graph through somatize.remote, then Lightning on a standing worker."""
-    from somatize.lightning.digits import Head
+    from somatize.lightning.digits_graph import Head
 
     x = torch.rand(4, 64)
     with Graph.somatize(Body().at("worker") >> Head()) as g:
@@ -199,12 +200,12 @@ class Counted(Body):
         return super().forward(x, ctx)
 
 
-class Encoded(DigitsModel):
+class Encoded(DigitsGraphModel):
     """A frozen, cached body on the worker; the head trains here."""
 
     def __init__(self):
         super().__init__(lr=0.5)
-        from somatize.lightning.digits import Head
+        from somatize.lightning.digits_graph import Head
 
         self.net = GraphModule(Graph.somatize(
             Counted().named("body").at("worker").frozen().cached() >> Head()))
@@ -251,7 +252,7 @@ def hashes(out, store):
     keys.blake3 = counted
     for cached in (False, True):
         counts.append(0)
-        model = DigitsModel(lr=0.5, frozen=cached, cached=cached)
+        model = DigitsGraphModel(lr=0.5, frozen=cached, cached=cached)
         fit(SomatizeStrategy(), steps=6, model=model,
             callbacks=[SomatizeCache(os.path.join(store, str(cached)))])
     torch.save(counts, out)

@@ -2,13 +2,10 @@
 `python train.py ...` as real processes that must exit 0."""
 
 import os
-import pickle
 import re
 import subprocess
 import sys
 
-import pytest
-import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
@@ -32,29 +29,43 @@ def test_the_default_config_trains_in_one_piece_and_overrides_apply():
     assert trainer.max_epochs == 3
     model = instantiate(cfg.model)
     assert model.hparams.lr == 0.2
-    assert model.net.graph.placement.get("body") == "worker"  # declared, not obeyed here
+    assert [n for n, _ in model.named_children()] == ["body", "head"]
 
 
-def test_split_option_sets_the_strategy_and_its_split_pickles_with_overridden_lr():
+def test_the_example_model_is_plain_lightning_its_file_imports_nothing_from_somatize():
+    import ast
+
+    import somatize.lightning.digits as digits
+
+    tree = ast.parse(open(digits.__file__).read())
+    imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    imported += ["." * n.level + (n.module or "") for n in ast.walk(tree)
+                 if isinstance(n, ast.ImportFrom)]
+    assert "lightning.pytorch" in imported
+    assert not [m for m in imported if m.startswith(("somatize", "."))], imported
+
+
+def test_split_option_places_what_somatize_place_says_the_body_unless_overridden():
     from somatize.lightning import SomatizeStrategy
-    from somatize.torch import Split
 
-    cfg = config("+somatize=split", "somatize.trains.body.lr=0.05")
-    strategy = instantiate(cfg.trainer.strategy)
+    strategy = instantiate(config("+somatize=split").trainer.strategy)
     assert isinstance(strategy, SomatizeStrategy)
-    split = strategy.trains["body"]
-    assert isinstance(split, Split)
-    again = pickle.loads(pickle.dumps(split))
-    opt = again.factory([torch.nn.Parameter(torch.zeros(2))])
-    assert type(opt) is torch.optim.SGD
-    assert opt.defaults["lr"] == 0.05
+    assert strategy.place == {"body": "worker"} and strategy.trains is None
+    for overrides, place in [
+            (["~somatize.place", "+somatize.place={head: worker}"], {"head": "worker"}),
+            (["somatize.place.body=gpu"], {"body": "gpu"}),
+            (["++somatize.place.head=worker"], {"body": "worker", "head": "worker"})]:
+        assert instantiate(config("+somatize=split", *overrides).trainer.strategy
+                           ).place == place, overrides
 
 
-def test_cached_option_declares_the_body_frozen_and_cached_and_adds_the_callback():
+def test_cached_option_caches_the_body_by_name_and_adds_the_callback():
     cfg = config("+somatize=cached", "somatize.store=/tmp/nowhere")
-    assert cfg.model.frozen and cfg.model.cached and not cfg.data.shuffle
+    assert not cfg.data.shuffle
     cb = instantiate(cfg.callbacks.somatize_cache)
-    assert cb.store == "/tmp/nowhere"
+    assert cb.store == "/tmp/nowhere" and list(cb.modules) == ["body"]
+    assert list(instantiate(config("+somatize=cached", "somatize.cache=[head]")
+                            .callbacks.somatize_cache).modules) == ["head"]
 
 
 def train(tmp_path, *overrides, timeout=240):
@@ -66,28 +77,36 @@ def train(tmp_path, *overrides, timeout=240):
     return done.stdout + done.stderr
 
 
-def pid_of(out: str, node: str, where: str = "here") -> int:
-    """The process train.py says ran ``node`` (counted by the process that ran it)."""
-    found = re.search(rf"node '{node}' ran in process (\d+) \({where}\)", out)
+def pid_of(out: str, module: str, where: str = "here") -> int:
+    """The process train.py says ran ``module`` (counted by the process that ran it)."""
+    found = re.search(rf"module '{module}' (?:ran|was called) in process (\d+) \({where}\) "
+                      r"\d+ times", out)
     assert found, out[-3000:]
     return int(found.group(1))
 
 
 def test_python_train_py_trains_plainly(tmp_path):
     out = train(tmp_path)
-    assert f"node 'body' ran in process {pid_of(out, 'head')} (here)" in out
+    assert f"module 'body' ran in process {pid_of(out, 'head')} (here)" in out
     assert "accuracy on held-out digits" in out
 
 
-@pytest.mark.parametrize("option", ["split", "cached"])
-def test_python_train_py_with_a_somatize_option_exits_0(tmp_path, option):
-    out = train(tmp_path, f"+somatize={option}", f"somatize.store={tmp_path / 'store'}"
-                if option == "cached" else "somatize.trains.body.lr=0.05")
-    if option == "split":
-        assert pid_of(out, "body", "worker 'worker'") != pid_of(out, "head")
-        # and a local worker process was started for it (the control of test_torchrun's
-        # "none was"): what an embedded worker logs with no OpenMP wait policy given
-        if not set(EMBEDDED_SAYS_UNLESS) & set(os.environ):
-            assert EMBEDDED_SAYS in out, out[-3000:]
-    else:
-        assert (tmp_path / "store").is_dir()
+def test_python_train_py_places_the_module_the_command_line_names(tmp_path):
+    out = train(tmp_path, "+somatize=split", "~somatize.place", "+somatize.place={head: worker}",
+                "test=false")
+    assert pid_of(out, "head", "worker 'worker'") != pid_of(out, "body")
+    # and a local worker process was started for it (the control of test_torchrun's
+    # "none was"): what an embedded worker logs with no OpenMP wait policy given
+    if not set(EMBEDDED_SAYS_UNLESS) & set(os.environ):
+        assert EMBEDDED_SAYS in out, out[-3000:]
+
+
+def test_python_train_py_keeps_the_placed_bodys_outputs_over_there(tmp_path):
+    out = train(tmp_path, "+somatize=[split,cached]", f"somatize.store={tmp_path / 'store'}",
+                "test=false")
+    assert pid_of(out, "body", "worker 'worker'") != pid_of(out, "head")
+    # the validation batches kept during the sanity check were read back at epoch end
+    found = re.search(r"module 'body' was called in .*; it computed its output for (\d+) of "
+                      r"those calls and read it from the store for (\d+)", out)
+    assert found and int(found.group(1)) >= 1 and int(found.group(2)) >= 1, out[-3000:]
+    assert any((tmp_path / "store" / "names" / "value").iterdir())

@@ -10,7 +10,8 @@ from lightning.pytorch.loggers import CSVLogger
 
 from somatize import Refused
 from somatize.lightning import SomatizeCache, SomatizeStrategy
-from somatize.lightning.digits import DigitsData, DigitsModel, digits_graph
+from somatize.lightning.digits import DigitsData
+from somatize.lightning.digits_graph import DigitsGraphModel, digits_graph
 from somatize.torch import GraphModule
 
 
@@ -40,14 +41,14 @@ def test_frozen_nodes_stay_in_eval_mode_when_lightning_calls_train():
 def test_bf16_mixed_precision_is_refused_at_setup_for_nodes_a_split_trains():
     with pytest.raises(Refused, match="precision='32-true'.*place="):
         trainer(precision="bf16-mixed", strategy=SomatizeStrategy()).fit(
-            DigitsModel(), DigitsData(limit=64))
+            DigitsGraphModel(), DigitsData(limit=64))
 
 
 def test_gradient_clipping_is_refused_at_setup_it_would_miss_the_split_trained_weights():
     with pytest.raises(Refused, match="gradient_clip_val with a GraphModule's nodes trained on "
                                       "workers.*weights here only"):
         trainer(gradient_clip_val=1.0, strategy=SomatizeStrategy()).fit(
-            DigitsModel(), DigitsData(limit=64))
+            DigitsGraphModel(), DigitsData(limit=64))
 
 
 def test_trains_naming_a_node_not_there_or_one_that_runs_here_is_refused_at_setup():
@@ -56,10 +57,10 @@ def test_trains_naming_a_node_not_there_or_one_that_runs_here_is_refused_at_setu
     with pytest.raises(Refused, match=r"trains names \['bodyy'\], which are not in the graph.*"
                                       r"'body'"):
         trainer(strategy=SomatizeStrategy(trains={"bodyy": Split(torch.optim.SGD, lr=0.1)})
-                ).fit(DigitsModel(), DigitsData(limit=64))
+                ).fit(DigitsGraphModel(), DigitsData(limit=64))
     with pytest.raises(Refused, match="trains names 'head', which runs here"):
         trainer(strategy=SomatizeStrategy(trains={"head": Split(torch.optim.SGD, lr=0.1)})
-                ).fit(DigitsModel(), DigitsData(limit=64))
+                ).fit(DigitsGraphModel(), DigitsData(limit=64))
 
 
 def test_the_strategy_is_registered_by_name():
@@ -75,13 +76,13 @@ def test_a_cache_the_prefix_rule_forbids_is_refused_before_the_first_batch(tmp_p
 
     with pytest.raises(Refused, match="'body' is .cached"):
         trainer(callbacks=[SomatizeCache(tmp_path), Batches()]).fit(
-            DigitsModel(cached=True), DigitsData(limit=64))
+            DigitsGraphModel(cached=True), DigitsData(limit=64))
     assert seen == []
 
 
 def test_the_cache_settles_the_body_keeps_its_outputs_and_its_counts_in_checkpoints(tmp_path):
     pl.seed_everything(0)
-    model = DigitsModel(frozen=True, cached=True)
+    model = DigitsGraphModel(frozen=True, cached=True)
     body = model.net.nodes["body"].lin.weight.clone()
     cache = SomatizeCache(tmp_path / "store")
     t = trainer(max_epochs=2, callbacks=[cache], default_root_dir=tmp_path,

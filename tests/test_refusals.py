@@ -8,7 +8,8 @@ from torch.nn import functional as F
 
 from somatize import Done, Graph, Node, Opaque, Refused
 from somatize.lightning import SomatizeStrategy
-from somatize.lightning.digits import Body, DigitsData, Head
+from somatize.lightning.digits import DigitsData
+from somatize.lightning.digits_graph import Body, Head
 from somatize.torch import GraphModule, Split, Trainer
 
 

@@ -25,8 +25,8 @@ def test_torchrun_runs_the_coordinator_and_the_worker_from_one_script(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout + done.stderr
     assert EMBEDDED_SAYS not in out  # no local worker was started: rank 1 was the worker
-    body = re.search(r"node 'body' ran in process (\d+) \(worker 'worker'\)", out)
-    head = re.search(r"node 'head' ran in process (\d+) \(here\)", out)
+    body = re.search(r"module 'body' ran in process (\d+) \(worker 'worker'\)", out)
+    head = re.search(r"module 'head' ran in process (\d+) \(here\)", out)
     assert body and head and body.group(1) != head.group(1), out[-3000:]
     runs = [r for r, _, files in os.walk(tmp_path / "outputs") if "train.log" in files]
     assert len(runs) == 1, runs  # one output directory, rank 0's

@@ -1,11 +1,16 @@
-"""``SomatizeCache``: the Lightning callback that settles what a graph declares frozen,
-checks the prefix rule before the first batch, and keeps cached nodes' outputs in a store.
+"""``SomatizeCache``: the Lightning callback that keeps frozen modules' outputs in a
+store. Named by path (``modules=["body"]``) on any LightningModule: the module is
+frozen, and its calls are answered from the store when their output is kept there,
+here or on the worker it is placed on. On the graph route it settles what a graph
+declares ``.frozen()`` and checks the prefix rule before the first batch.
 
-    trainer = lightning.Trainer(callbacks=[SomatizeCache(store="/scratch/soma")])
+    trainer = lightning.Trainer(callbacks=[SomatizeCache("/scratch/soma", modules=["body"])])
+    trainer = lightning.Trainer(callbacks=[SomatizeCache(store="/scratch/soma")])  # graphs
 """
 
 from __future__ import annotations
 
+import difflib
 import logging
 from collections.abc import Iterator, Mapping, Sequence
 from os import PathLike
@@ -14,9 +19,11 @@ from typing import Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from .._errors import Refused
 from .._keeper import Kept
 from .._memory import cacheable
 from ..torch import GraphModule, freeze
+from ..torch._cached import CachedForward, counts_there
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +56,36 @@ def graph_modules(module: Any) -> list[GraphModule]:
 
 
 class SomatizeCache(pl.Callback):
-    """Settle frozen nodes, refuse a cache the prefix rule forbids, keep cached outputs.
+    """Keep frozen modules' outputs in a store; settle frozen nodes of graphs.
+
+    ``modules=["body"]`` names submodules of the LightningModule (paths as
+    ``get_submodule`` takes them). Each is frozen when the trainer sets up (no gradients,
+    eval mode, a digest of its state) and its calls are named by its class, that digest
+    and the call's input: a call whose name is in the store is answered from there.
+    Placed on a worker (``SomatizeStrategy(place=...)``), it does the same over there,
+    with the same store path (on another machine, a path both see). Refused before the
+    first batch: a path that is not a submodule, a store that is not a directory for a
+    placed module, and an optimizer holding a cached module's parameter; at its first
+    call, a cached module whose input asks for a gradient (it comes from something that
+    still trains, and a value read from the store sends none back).
 
     Hits and misses are logged each epoch (``cache/hits``, ``cache/misses``); their
     totals are kept in checkpoints.
 
     Args:
         store: a directory (created if missing) or a Keeper where cached outputs are kept.
+        modules: the submodules whose outputs are kept, by path.
     """
 
-    def __init__(self, store: str | PathLike | Any):
+    def __init__(self, store: str | PathLike | Any, modules: Sequence[str] = ()):
         self.store = store
+        self.modules = list(modules)
         self.keeper: Counting | None = None
+        self.cached: dict[str, CachedForward] = {}  # by path: what each module now calls
         self.hits = 0  # totals over every epoch, resumed from checkpoints
         self.misses = 0
         self._seen = (0, 0)
+        self._trainer: pl.Trainer | None = None
 
     def _attach(self, pl_module: pl.LightningModule) -> None:
         if self.keeper is None:
@@ -79,16 +101,97 @@ class SomatizeCache(pl.Callback):
             if gm.graph.memory.cached:
                 cacheable(gm.graph)
             gm.train(gm.training)  # frozen nodes back to eval mode
+        for cached in self.cached.values():
+            cached.module.eval()
+            cached.settle()
 
+    # -- the modules named by path ------------------------------------------------------
+    def _install(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        place = dict(getattr(trainer.strategy, "place", None) or {})
+        names = [n for n, _ in pl_module.named_modules() if n]
+        for path in self.modules:
+            try:
+                module = pl_module.get_submodule(path) if path else None
+            except AttributeError:
+                module = None
+            if module is None:
+                near = difflib.get_close_matches(path, names, n=5) or names[:8]
+                raise Refused(
+                    f"SomatizeCache(modules=[{path!r}]): {type(pl_module).__name__} has no "
+                    f"submodule {path!r}; its submodules include {near}. Give paths as "
+                    "get_submodule takes them ('body', 'model.encoder')")
+            inside = [o for o in self.modules if o != path and path.startswith(o + ".")]
+            if inside:
+                raise Refused(f"SomatizeCache(modules=...) names {inside[0]!r} and {path!r}, "
+                              "which is inside it: cache one")
+            host = _placed_on(place, path)
+            if host is not None and not isinstance(self.store, (str, PathLike)):
+                raise Refused(
+                    f"module {path!r} is cached and placed on worker {host[0]!r}: its outputs "
+                    f"are kept over there, which a {type(self.store).__name__} given here "
+                    "cannot reach. Give SomatizeCache a directory path the worker can reach "
+                    "(on another machine, a shared one)")
+            for p in module.parameters():
+                p.requires_grad_(False)
+            module.eval()
+            have = module.__dict__.get("forward")
+            if isinstance(have, CachedForward):  # left by an earlier fit (see _uninstall)
+                have.active = True
+                have.settle()
+                self.cached[path] = have
+            else:
+                self.cached[path] = CachedForward(module, path, self.store, previous=have)
+                module.forward = self.cached[path]  # an instance attribute: it pickles along
+        if self.cached:
+            log.info("modules %s are frozen; their outputs are kept in %s", sorted(self.cached),
+                     self.store)
+
+    def _uninstall(self) -> None:
+        for cached in self.cached.values():
+            # off wherever it is: after an exception the strategy gives it back to the
+            # module only after this callback has run
+            cached.active = False
+            if cached.module.__dict__.get("forward") is cached:
+                del cached.module.__dict__["forward"]
+                if cached.previous is not None:
+                    cached.module.forward = cached.previous
+        self.cached.clear()
+
+    def _refuse_trained(self, trainer: pl.Trainer) -> None:
+        for path, cached in self.cached.items():
+            mine = {id(p): n for n, p in cached.module.named_parameters()}
+            for i, opt in enumerate(trainer.optimizers):
+                held = [mine[id(p)] for g in opt.param_groups for p in g["params"]
+                        if id(p) in mine]
+                if held:
+                    raise Refused(
+                        f"module {path!r} is cached by SomatizeCache, so frozen, but optimizer "
+                        f"{i} ({type(opt).__name__}) holds its parameter {path}.{held[0]}: "
+                        "a cached output is right only while the module does not change. "
+                        "Build the optimizer over what still trains, e.g. "
+                        "SGD([p for p in self.parameters() if p.requires_grad], ...) in "
+                        f"configure_optimizers, or leave {path!r} out of modules=")
+
+    # -- hooks ----------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        # before the optimizers are built, so frozen weights are not handed to them
+        # before the optimizers are built (so frozen weights are not handed to them) and
+        # before the strategy sends placed modules to their workers (the cache goes along)
+        self._trainer = trainer
+        self._install(trainer, pl_module)
         self._settle(pl_module)
         self._attach(pl_module)
 
     @override
+    def on_load_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        for cached in self.cached.values():
+            cached.settle()  # the checkpoint's weights: a new digest
+
+    @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._settle(pl_module)
+        self._refuse_trained(trainer)
 
     @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -100,6 +203,8 @@ class SomatizeCache(pl.Callback):
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for cached in self.cached.values():
+            cached.module.eval()  # should anything have called .train() on the model
         self._seen = self._counts()
 
     @override
@@ -113,9 +218,33 @@ class SomatizeCache(pl.Callback):
         log.info("epoch %d: %d cached outputs found, %d computed", trainer.current_epoch,
                  hits, misses)
 
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._uninstall()  # the module's own forward back (frozen it stays)
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                     exception: BaseException) -> None:
+        self._uninstall()
+
     def _counts(self) -> tuple[int, int]:
         k = self.keeper
-        return (k.hits, k.misses) if k is not None else (0, 0)
+        hits, misses = (k.hits, k.misses) if k is not None else (0, 0)
+        for path, cached in self.cached.items():
+            h, m = self._counts_of(path, cached)
+            hits, misses = hits + h, misses + m
+        return hits, misses
+
+    def _counts_of(self, path: str, cached: CachedForward) -> tuple[int, int]:
+        """Where the module runs: read here, or over there through the strategy."""
+        strategy = self._trainer.strategy if self._trainer is not None else None
+        dropin = getattr(strategy, "dropin", None)
+        where = _placed_on(getattr(strategy, "place", None) or {}, path)
+        if dropin is None or where is None:
+            return cached.hits, cached.misses
+        host, placed = where
+        inside = path[len(placed) + 1:]
+        return tuple(dropin.step.runtime.call(host, counts_there, placed, inside))
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -128,3 +257,11 @@ class SomatizeCache(pl.Callback):
         if state_dict.get("store") != str(self.store):
             log.info("resuming with store %s (the checkpoint was written with %s)",
                      self.store, state_dict.get("store"))
+
+
+def _placed_on(place: Mapping[str, str], path: str) -> tuple[str, str] | None:
+    """``(worker, placed path)`` when ``path`` is, or is inside, a placed module."""
+    for placed, host in place.items():
+        if path == placed or path.startswith(placed + "."):
+            return host, placed
+    return None

@@ -170,7 +170,8 @@ def _run_call(placed: Placed, name: str, call: int, flat: list, spec: Any, needs
                               for t, need in zip(leaves, needs, strict=True)], out_flat)
     # tensors cross on the CPU (no TensorPipe device maps yet): moved at the boundary
     answer = [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in out_flat]
-    return answer, out_spec, torch.get_rng_state(), os.getpid()
+    # kept: whether this call waits for a backward (a frozen module's does not)
+    return answer, out_spec, torch.get_rng_state(), os.getpid(), call in placed.kept
 
 
 def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
@@ -345,7 +346,7 @@ class Link:
         ops, self.ops = self.ops, []
         autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
                     for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-        self.answer, out_spec, rng, pid = self._rpc(
+        self.answer, out_spec, rng, pid, kept = self._rpc(
             _call, self.name, call, sent, spec, needs, grad,
             torch.is_inference_mode_enabled(), torch.get_rng_state(), ops, autocast,
             torch.get_default_dtype(), self.device)
@@ -354,8 +355,7 @@ class Link:
             self.answer = [_moved(t, here) for t in self.answer]
         torch.set_rng_state(rng)  # what one piece's draws would have left it at
         self.step.ran.setdefault(self.name, Counter())[pid] += 1
-        if not (grad and any(isinstance(t, torch.Tensor) and t.is_floating_point()
-                             for t in self.answer)):
+        if not kept:  # nothing over there asks for dL/d(outputs): no backward to send
             return tree_unflatten(self.answer, out_spec)
         self.needs[call] = needs
         anchor = torch.empty(0, requires_grad=True)  # so the call is in the graph

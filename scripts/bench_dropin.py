@@ -1,0 +1,153 @@
+"""What the drop-in route costs a step, in round trips: the classic autoencoder of
+tests/dropin_runs.py trained by plain Lightning and under
+``SomatizeStrategy(place={"encoder": "worker"})`` in one run, side by side, with a bare
+``rpc_sync`` round trip to the same worker measured in the same run.
+
+    python scripts/bench_dropin.py                 # ~1 minute on 2 cores
+    python scripts/bench_dropin.py --rounds 9      # steadier on a busy machine
+
+The steady step is the median time between consecutive training batches' ends, past
+each fit's first epoch (batch 16 of scikit-learn's digits, 113 batches an epoch, no
+validation); plain and split fits alternate ``--rounds`` times so both see the same
+machine. The overhead is split minus plain, in units of the bare round trip (the
+median of ``rpc_sync(worker, noop)`` at each timed epoch's end), each round against its
+own plain fit; the median over rounds is reported, with every round's. Also counted: the calls the
+strategy made to the worker per step, and what one such call costs with nothing in it
+(``runtime.call(worker, id)``: the function named, the session looked up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+# libgomp reads this once, when torch is imported: this process's math threads sleep
+# between ops, as the worker's do (somatize starts it so)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed.rpc as rpc  # noqa: E402
+import torch.utils.data as tud  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "tests"))
+from dropin_runs import AutoEncoder  # noqa: E402
+
+from somatize.lightning import SomatizeStrategy  # noqa: E402
+from somatize.remote import _serve  # noqa: E402
+
+
+class Clock(pl.Callback):
+    """Times between consecutive batches' ends, past the first epoch; for the split fit
+    also the bare round trip to the worker and the calls made to it."""
+
+    def __init__(self, repeats: int = 200):
+        self.steps: list[float] = []
+        self.round_trips: list[float] = []
+        self.generic: list[float] = []  # runtime.call of a function that does nothing
+        self.calls = 0
+        self.batches = 0
+        self.repeats = repeats
+        self._last: float | None = None
+        self._in_step = False
+
+    def on_train_start(self, trainer, pl_module):
+        dropin = getattr(trainer.strategy, "dropin", None)
+        if dropin is not None:  # count what the strategy asks of the worker
+            runtime, call = dropin.step.runtime, dropin.step.runtime.call
+
+            def counted(*a, **kw):
+                self.calls += self._in_step  # not the syncs at epoch ends
+                return call(*a, **kw)
+
+            runtime.call = counted
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        self._last = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self._in_step = trainer.current_epoch > 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        now = time.perf_counter()
+        self._in_step = False
+        if trainer.current_epoch > 0:
+            self.batches += 1
+            if self._last is not None:
+                self.steps.append((now - self._last) * 1e3)
+        self._last = now
+
+    def on_train_epoch_end(self, trainer, pl_module):
+        dropin = getattr(trainer.strategy, "dropin", None)
+        if dropin is None or trainer.current_epoch == 0:
+            return
+        runtime = dropin.step.runtime
+        peer = runtime.peers["worker"]
+        self.round_trips.append(median_ms(lambda: rpc.rpc_sync(peer.name, _serve.noop),
+                                          self.repeats))
+        # id(live): a function the worker imports (one defined here would travel by value)
+        self.generic.append(median_ms(lambda: runtime.call("worker", id), self.repeats))
+
+
+def median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def data() -> tud.DataLoader:
+    from sklearn.datasets import load_digits
+
+    x = torch.tensor(load_digits().data, dtype=torch.float32) / 16.0
+    return tud.DataLoader(tud.TensorDataset(x), batch_size=16)
+
+
+def fit(strategy, epochs: int) -> Clock:
+    clock = Clock()
+    pl.seed_everything(0)
+    trainer = pl.Trainer(max_epochs=epochs, strategy=strategy, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, limit_val_batches=0, callbacks=[clock])
+    trainer.fit(AutoEncoder(), data())
+    return clock
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--epochs", type=int, default=3, help="per fit; the first is not timed")
+    ap.add_argument("--rounds", type=int, default=5, help="plain and split fits, alternated")
+    args = ap.parse_args()
+    rounds = []  # per round: plain ms/step, split ms/step, round trip ms, empty call ms
+    calls = batches = 0
+    for _ in range(args.rounds):
+        plain = fit("auto", args.epochs)
+        split = fit(SomatizeStrategy(place={"encoder": "worker"}), args.epochs)
+        rounds.append([statistics.median(x) for x in (plain.steps, split.steps,
+                                                       split.round_trips, split.generic)])
+        calls, batches = calls + split.calls, batches + split.batches
+    p, s, rt, g = (statistics.median(r[i] for r in rounds) for i in range(4))
+    over = sorted((r[1] - r[0]) / r[2] for r in rounds)  # each round against its own
+    print(f"$ {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"autoencoder (tests/dropin_runs.py), batch 16, {args.rounds} rounds of "
+          f"{args.epochs - 1} timed epochs each; math threads {torch.get_num_threads()}, "
+          f"{os.cpu_count()} cores, OMP_WAIT_POLICY {os.environ['OMP_WAIT_POLICY']}, "
+          f"load {os.getloadavg()[0]:.2f}")
+    print(f"{'plain Lightning':>34}: {p:7.3f} ms/step")
+    print(f"{'SomatizeStrategy(place=encoder)':>34}: {s:7.3f} ms/step")
+    print(f"{'bare rpc_sync round trip':>34}: {rt:7.3f} ms")
+    print(f"{'overhead':>34}: {s - p:7.3f} ms/step = {statistics.median(over):.2f} round trips "
+          f"(median of the rounds: {', '.join(f'{o:.2f}' for o in over)}; target <= 1.5)")
+    print(f"{'calls to the worker':>34}: {calls / max(batches, 1):.2f} per step; an empty one "
+          f"(runtime.call) costs {g:.3f} ms = {g / rt:.2f} round trips")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,63 @@
+"""Runs of a real lightning.Trainer with ``SomatizeCache(modules=["body"])`` on the plain
+example model; the placed one starts RPC, so it runs in its own process and
+tests/test_dropin_cache.py reads what it saves.
+
+    python tests/cache_runs.py placed OUT.pt STORE
+"""
+
+import os
+import sys
+
+import lightning.pytorch as pl
+import torch
+
+from somatize.lightning import SomatizeCache, SomatizeStrategy
+from somatize.lightning.digits import DigitsData, DigitsModel
+
+
+class Losses(pl.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+
+class CountsHere(pl.Callback):
+    """What the cached forward in this process counted, as training ends."""
+
+    def __init__(self, cache: SomatizeCache):
+        self.cache, self.here = cache, None
+
+    def on_train_end(self, trainer, pl_module):
+        self.here = {p: (c.hits, c.misses) for p, c in self.cache.cached.items()}
+
+
+def fit(strategy="auto", callbacks=(), frozen_by_hand=False, **kw):
+    """Two epochs of the example, the same two batches each (and one validation batch)."""
+    pl.seed_everything(0)
+    model = DigitsModel(lr=0.5, momentum=0.9)
+    if frozen_by_hand:  # what SomatizeCache does to the body, done as plain Lightning would
+        model.body.requires_grad_(False).eval()
+    losses = Losses()
+    trainer = pl.Trainer(max_epochs=2, strategy=strategy, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=1, num_sanity_val_steps=0,
+                         callbacks=[losses, *callbacks],
+                         **{"enable_checkpointing": False, "logger": False, **kw})
+    trainer.fit(model, DigitsData(batch_size=32, limit=64, shuffle=False))
+    return trainer, losses.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def placed(out, store):
+    _, plain_losses, plain = fit(frozen_by_hand=True)
+    cache = SomatizeCache(store, modules=["body"])
+    here = CountsHere(cache)
+    strategy = SomatizeStrategy(place={"body": "worker"})
+    _, losses, weights = fit(strategy, callbacks=[cache, here])
+    torch.save({"plain": (plain_losses, plain), "cached": (losses, weights),
+                "counts": (cache.hits, cache.misses), "here": here.here,
+                "ran": strategy.where().get("", {}), "pid": os.getpid()}, out)
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]](*sys.argv[2:])
