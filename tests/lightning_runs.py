@@ -166,7 +166,7 @@ def lost_checkpoint(out):
                          callbacks=[Kill(), OnExceptionCheckpoint(ckpt_dir)])
     said = []
     try:
-        trainer.fit(DigitsModel(lr=0.5), DigitsData(batch_size=32, limit=160))
+        trainer.fit(DigitsGraphModel(lr=0.5), DigitsData(batch_size=32, limit=160))
     except Exception as e:
         said.append(f"{type(e).__name__}: {e}")
     try:
