@@ -5,6 +5,8 @@ tests/dropin_runs.py trained by plain Lightning and under
 
     python scripts/bench_dropin.py                 # ~1 minute on 2 cores
     python scripts/bench_dropin.py --rounds 9      # steadier on a busy machine
+    python scripts/bench_dropin.py --startup --epochs 60   # time to the first batch and
+                                                   # the whole fit, each fit a fresh process
 
 The steady step is the median time between consecutive training batches' ends, past
 each fit's first epoch (batch 16 of scikit-learn's digits, 113 batches an epoch, no
@@ -119,11 +121,69 @@ def fit(strategy, epochs: int) -> Clock:
     return clock
 
 
+class FirstBatch(pl.Callback):
+    """When the first training batch starts."""
+
+    def __init__(self):
+        self.at = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.at is None:
+            self.at = time.perf_counter()
+
+
+def one(which: str, epochs: int) -> None:
+    """A whole fit in this (fresh) process: seconds to the first batch and to the end,
+    counted from the Trainer's construction (the worker's start is in it)."""
+    import json
+
+    first = FirstBatch()
+    t0 = time.perf_counter()
+    strategy = "auto" if which == "plain" else SomatizeStrategy(place={"encoder": "worker"})
+    trainer = pl.Trainer(max_epochs=epochs, strategy=strategy, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, limit_val_batches=0, callbacks=[first])
+    pl.seed_everything(0)
+    trainer.fit(AutoEncoder(), data())
+    print(json.dumps({"first": first.at - t0, "whole": time.perf_counter() - t0}))
+
+
+def startup(args) -> int:
+    import json
+    import subprocess
+
+    got = {"plain": [], "split": []}
+    for _ in range(args.rounds):
+        for which in ("plain", "split"):
+            done = subprocess.run([sys.executable, __file__, "--one", which, "--epochs",
+                                   str(args.epochs)], capture_output=True, text=True,
+                                  timeout=1800)
+            got[which].append(json.loads(done.stdout.strip().splitlines()[-1]))
+    med = {w: {k: statistics.median(r[k] for r in rs) for k in ("first", "whole")}
+           for w, rs in got.items()}
+    print(f"$ {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"autoencoder, {args.epochs} epochs a fit, {args.rounds} rounds, each fit a fresh "
+          f"process (torch imported before the clock starts), load {os.getloadavg()[0]:.2f}")
+    for k, label in (("first", "to the first batch"), ("whole", "the whole fit")):
+        p, s = med["plain"][k], med["split"][k]
+        print(f"{label:>20}: plain {p:7.2f} s, split {s:7.2f} s, ratio {s / p:5.2f}"
+              + ("   (target <= 1.15)" if k == "whole" else ""))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--epochs", type=int, default=3, help="per fit; the first is not timed")
     ap.add_argument("--rounds", type=int, default=5, help="plain and split fits, alternated")
+    ap.add_argument("--startup", action="store_true",
+                    help="time to the first batch and the whole fit, fresh processes")
+    ap.add_argument("--one", choices=["plain", "split"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.one:
+        one(args.one, args.epochs)
+        return 0
+    if args.startup:
+        return startup(args)
     rounds = []  # per round: plain ms/step, split ms/step, round trip ms, empty call ms
     calls = batches = 0
     for _ in range(args.rounds):

@@ -367,6 +367,16 @@ def chosen(out):
                 "said": said}, out)
 
 
+def many(out, *cases):
+    """Several runs in one process (one interpreter start, RPC started once), each saved
+    beside ``out`` as ``<case>.pt``: ``transformer``, ``precision:bf16``, ..."""
+    for case in cases:
+        name, _, arg = case.partition(":")
+        path = os.path.join(os.path.dirname(out), f"{case.replace(':', '-')}.pt")
+        globals()[name](path, *([arg] if arg else []))
+    torch.save(list(cases), out)
+
+
 def resumes(out):
     """The three resumes the test compares, in one process: plain from plain (the
     oracle: Lightning does not checkpoint the RNG), split from plain, plain from split."""

@@ -23,6 +23,20 @@ def run(tmp_path, *args, timeout=300):
     return torch.load(out, weights_only=False), done.stderr
 
 
+ORACLES = ["transformer", "autoencoder", "manual", "siamese"]
+PRECISIONS = ["bf16", "norm", "value", "bf16-norm", "16", "bf16-true"]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    """The oracle and precision runs, in one process (each run a pair of fits): a case's
+    results by name, e.g. ran("transformer"), ran("precision:16")."""
+    where = tmp_path_factory.mktemp("dropin")
+    cases = ORACLES + [f"precision:{p}" for p in PRECISIONS] + ["chosen", "devices", "stale"]
+    run(where, "many", *cases, timeout=900)
+    return lambda case: torch.load(where / f"{case.replace(':', '-')}.pt", weights_only=False)
+
+
 def same(a, b) -> bool:
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
@@ -40,8 +54,8 @@ def same(a, b) -> bool:
     ("siamese", "encoder", 2),       # a dict of tensors, called twice per step
 ])
 def test_a_placed_submodule_trains_over_there_to_plain_lightnings_numbers(
-        tmp_path, case, placed, calls_per_step):
-    got, _ = run(tmp_path, case)
+        ran, case, placed, calls_per_step):
+    got = ran(case)
     plain_losses, plain = got["plain"]
     split_losses, split = got["split"]
     assert len(plain_losses) >= 5
@@ -55,11 +69,11 @@ def test_a_placed_submodule_trains_over_there_to_plain_lightnings_numbers(
     assert sum(ran.values()) >= calls_per_step * len(split_losses)
 
 
-@pytest.mark.parametrize("case", ["bf16", "norm", "value", "bf16-norm", "16", "bf16-true"])
-def test_precision_and_clipping_cross_the_cut_to_plain_lightnings_numbers(tmp_path, case):
+@pytest.mark.parametrize("case", PRECISIONS)
+def test_precision_and_clipping_cross_the_cut_to_plain_lightnings_numbers(ran, case):
     # bf16-mixed (CPU autocast), norm and value clipping over every parameter, both together,
     # 16-mixed with a CPU GradScaler (its first steps overflow: skipped on every side)
-    got, _ = run(tmp_path, "precision", case)
+    got = ran(f"precision:{case}")
     plain_losses, plain = got["plain"]
     split_losses, split = got["split"]
     assert split_losses == plain_losses
@@ -72,16 +86,16 @@ def test_precision_and_clipping_cross_the_cut_to_plain_lightnings_numbers(tmp_pa
         assert plain_scale == split_scale < 2.0**24  # steps were skipped, the same ones
 
 
-def test_a_worker_on_the_cpu_trains_exactly_and_one_given_a_missing_gpu_says_so(tmp_path):
-    got, _ = run(tmp_path, "devices")
+def test_a_worker_on_the_cpu_trains_exactly_and_one_given_a_missing_gpu_says_so(ran):
+    got = ran("devices")
     assert got["split"][0] == got["plain"][0]
     assert all(torch.equal(got["split"][1][k], v) for k, v in got["plain"][1].items())
     assert "worker 'worker'" in got["said"] and "'cuda:0' but has no GPU" in got["said"]
 
 
 def test_trains_chooses_the_optimizer_over_there_and_a_scheduler_it_cannot_follow_is_refused(
-        tmp_path):
-    got, _ = run(tmp_path, "chosen")
+        ran):
+    got = ran("chosen")
     assert got["split"][0] == got["plain"][0]
     assert all(torch.equal(got["split"][1][k], v) for k, v in got["plain"][1].items())
     assert "scheduler (StepLR)" in got["said"] and "'encoder'" in got["said"]
@@ -98,8 +112,8 @@ def test_a_checkpoint_written_under_the_strategy_is_plain_lightnings_and_resumes
         assert same(got[resumed]["weights"], oracle["weights"]), resumed
 
 
-def test_the_copy_here_is_refused_during_fit_and_up_to_date_at_every_epoch_end(tmp_path):
-    got, _ = run(tmp_path, "stale")
+def test_the_copy_here_is_refused_during_fit_and_up_to_date_at_every_epoch_end(ran):
+    got = ran("stale")
     assert "'encoder', which is placed on worker 'worker'" in got["said"]
     assert "stale" in got["said"] and "sync()" in got["said"]
     plain, split = got["seen"]["plain"], got["seen"]["split"]

@@ -97,10 +97,34 @@ class SomatizeStrategy(SingleDeviceStrategy):
         self._lost: str | None = None  # a worker lost with trained state: nothing to save
         self.trains = dict(trains) if trains is not None else None
         self.workers = dict(workers) if workers else None
+        self._warm_up([])
         self.store = store
         self.runs: dict[str, Step] = {}  # by the GraphModule's name in the LightningModule
         self._graph_modules: dict[str, GraphModule] = {}
         self._broken = False
+
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        super().connect(model)
+        self._warm_up(graph_modules(model))
+
+    def _warm_up(self, graph_modules: list) -> None:
+        # the embedded workers' processes start as soon as their hosts are known (when
+        # the strategy is built, for place=) and import torch while the Trainer is built
+        # and Lightning sets up: the first batch waits only for them to join
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            return  # torchrun: ranks serve
+        from ..remote import Worker
+        from ..remote._group import group
+
+        hosts = set(self.place.values())
+        for gm in graph_modules:
+            hosts |= set(gm.graph.placement.workers())
+        given = self.workers or {}
+        embedded = [h for h in hosts if not isinstance(given.get(h), str)
+                    and (given.get(h) or Worker.embedded()).kind == "embedded"]
+        if embedded:
+            group().prespawn(len(embedded))
 
     @override
     def setup_environment(self) -> None:
@@ -427,6 +451,9 @@ class SomatizeStrategy(SingleDeviceStrategy):
             dropin.close(pull=not self._broken)
         if self._broken:
             self.close()  # a dead worker: nothing over there to keep a session for
+        from ..remote._group import group
+
+        group().drop_warm()  # started for a run that did not need them (refused, say)
         super().teardown()
 
 

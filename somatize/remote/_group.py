@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from .._errors import WorkerError
 from . import _membership
 from ._settings import COORDINATOR, _started, backend_options, loopback, loopback_iface, settings
-from ._spawn import ask_daemon, spawn
+from ._spawn import ask_daemon, spawn, warm
 from ._worker import Worker
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ class Group:
         self.peers: dict[tuple, Peer] = {}
         self.lock = threading.RLock()
         self.runtimes: weakref.WeakSet = weakref.WeakSet()
+        self.warm: list[subprocess.Popen] = []  # started early, waiting to be told to join
 
     # -- the agent ----------------------------------------------------------------
     def start(self) -> None:
@@ -171,9 +172,33 @@ class Group:
                          "OMP_WAIT_POLICY=PASSIVE (before torch is imported) so that its idle "
                          "math threads sleep instead of spinning while the worker computes "
                          "(docs/performance.md)", host)
-            p.proc = spawn(cmd)
+            p.proc = self._take_warm(cmd) or spawn(cmd)
             p.pid = p.proc.pid
         return p
+
+    def prespawn(self, n: int) -> None:
+        """Have ``n`` serving processes start now and import torch, before anyone needs
+        them: a later embedded worker takes one and only joins (its imports are done)."""
+        with self.lock:
+            self.warm = [w for w in self.warm if w.poll() is None]
+            while len(self.warm) < n:
+                self.warm.append(spawn(["--warm"]))
+
+    def drop_warm(self) -> None:
+        """End the warm processes nobody took (their stdin closes: they exit)."""
+        with self.lock:
+            warm, self.warm = self.warm, []
+        for w in warm:  # it has joined nothing and holds nothing: stopped at once
+            w.kill()
+            w.wait(timeout=10)
+            w.stdin.close()
+
+    def _take_warm(self, cmd: list[str]):
+        while self.warm:
+            w = self.warm.pop(0)
+            if warm(w, cmd):
+                return w
+        return None
 
     def wait_joined(self, peers: list[Peer]) -> None:
         """Wait until each of ``peers`` has joined the group (or say why it did not)."""
@@ -267,6 +292,7 @@ class Group:
 
     def shutdown(self) -> None:
         """Close every runtime, stop every worker, leave RPC (at interpreter exit)."""
+        self.drop_warm()
         import torch.distributed.rpc as rpc
 
         for rt in list(self.runtimes):

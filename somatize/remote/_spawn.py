@@ -29,8 +29,22 @@ def serving_env(env: dict[str, str]) -> dict[str, str]:
     return {**SERVING_ENV, **env}
 
 
+def warm(proc: subprocess.Popen, argv: list[str]) -> bool:
+    """Tell a warm process (``spawn(["--warm"])``: torch imported, waiting) whom to join;
+    False when it is gone."""
+    if proc.poll() is not None:
+        return False
+    try:
+        proc.stdin.write(json.dumps(argv).encode() + b"\n")
+        proc.stdin.flush()
+    except OSError:
+        return False
+    return True
+
+
 def spawn(argv: list[str]) -> subprocess.Popen:
-    """Start a serving process on this machine; it exits when its stdin closes."""
+    """Start a serving process on this machine; it exits when its stdin closes. With
+    ``["--warm"]`` it imports torch and waits for its arguments (``warm``)."""
     env = serving_env(dict(os.environ))
     env["TP_SOCKET_IFNAME"] = os.environ.get("TP_SOCKET_IFNAME") or loopback_iface()
     # what imports here imports there: the script's directory and every path of this process
