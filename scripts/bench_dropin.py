@@ -7,6 +7,8 @@ tests/dropin_runs.py trained by plain Lightning and under
     python scripts/bench_dropin.py --rounds 9      # steadier on a busy machine
     python scripts/bench_dropin.py --startup --epochs 60   # time to the first batch and
                                                    # the whole fit, each fit a fresh process
+    python scripts/bench_dropin.py --memory        # the coordinator's peak memory with a
+                                                   # large encoder placed, against plain
 
 The steady step is the median time between consecutive training batches' ends, past
 each fit's first epoch (batch 16 of scikit-learn's digits, 113 batches an epoch, no
@@ -148,6 +150,59 @@ def one(which: str, epochs: int) -> None:
     print(json.dumps({"first": first.at - t0, "whole": time.perf_counter() - t0}))
 
 
+class Big(pl.LightningModule):
+    """An autoencoder whose encoder is large (6 x 2048 x 2048, ~25M parameters, 100 MB)
+    trained with Adam: plain Lightning holds its weights, gradients and Adam's two
+    moments here; placed, the copy here holds the weights only."""
+
+    def __init__(self):
+        super().__init__()
+        layers = [torch.nn.Linear(64, 2048)]
+        for _ in range(6):
+            layers += [torch.nn.ReLU(), torch.nn.Linear(2048, 2048)]
+        self.encoder = torch.nn.Sequential(*layers, torch.nn.ReLU(), torch.nn.Linear(2048, 8))
+        self.decoder = torch.nn.Linear(8, 64)
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        return torch.nn.functional.mse_loss(self.decoder(self.encoder(x)), x)
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-4)
+
+
+def peak(which: str) -> None:
+    """One fit of ``Big`` in this (fresh) process; its peak resident memory."""
+    import json
+    import resource
+
+    strategy = "auto" if which == "plain" else SomatizeStrategy(place={"encoder": "worker"})
+    trainer = pl.Trainer(max_steps=5, strategy=strategy, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(Big(), data())
+    print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+
+
+def memory() -> int:
+    import json
+    import subprocess
+
+    got = {}
+    for which in ("plain", "split"):
+        done = subprocess.run([sys.executable, __file__, "--peak", which], capture_output=True,
+                              text=True, timeout=900)
+        got[which] = json.loads(done.stdout.strip().splitlines()[-1])["peak_mb"]
+    params = sum(p.numel() for p in Big().encoder.parameters())
+    print(f"$ {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"encoder of {params / 1e6:.1f}M parameters ({params * 4 / 2**20:.0f} MB), Adam; "
+          "the coordinator's peak resident memory:")
+    print(f"  plain Lightning {got['plain']:8.0f} MB (weights, gradients, Adam's moments here)")
+    print(f"  encoder placed  {got['split']:8.0f} MB (the copy here: weights only)")
+    print(f"  saved           {got['plain'] - got['split']:8.0f} MB")
+    return 0
+
+
 def startup(args) -> int:
     import json
     import subprocess
@@ -178,7 +233,15 @@ def main() -> int:
     ap.add_argument("--startup", action="store_true",
                     help="time to the first batch and the whole fit, fresh processes")
     ap.add_argument("--one", choices=["plain", "split"], help=argparse.SUPPRESS)
+    ap.add_argument("--memory", action="store_true",
+                    help="the coordinator's peak memory, a large encoder placed vs plain")
+    ap.add_argument("--peak", choices=["plain", "split"], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.peak:
+        peak(args.peak)
+        return 0
+    if args.memory:
+        return memory()
     if args.one:
         one(args.one, args.epochs)
         return 0
