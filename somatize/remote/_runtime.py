@@ -108,7 +108,7 @@ class Runtime:
         peers = self.start()
         what = "provisioning the graph"
         futs = [(p, self._async(p, _serve_fn("provision"),
-                                (self.session, blobs[p.host], catalog), what))
+                                (self.session, *blobs[p.host], catalog), what))
                 for p in peers]
         for p, f in futs:
             self._answer(p, what, f)

@@ -80,8 +80,10 @@ def noop() -> None:
     """Nothing: what a bare round trip costs."""
 
 
-def provision(session: str, blob: bytes, catalog: dict[str, str]) -> Failed | None:
-    """Hold the graph pickled in ``blob`` under ``session`` (refusing a different catalog)."""
+def provision(session: str, blob: bytes, tensors: list,
+              catalog: dict[str, str]) -> Failed | None:
+    """Hold the graph pickled in ``blob`` (its tensors beside it) under ``session``
+    (refusing a different catalog)."""
     with _lock:
         live = _sessions.get(session)
         if live is not None:
@@ -93,9 +95,11 @@ def provision(session: str, blob: bytes, catalog: dict[str, str]) -> Failed | No
                     "(g.close()) to provision another"), "")
             return None  # the same catalog: what lives here (and its state) stays
         try:
-            import cloudpickle
+            import cloudpickle  # noqa: F401  (what the blob's by-value classes need)
 
-            graph = cloudpickle.loads(blob)
+            from ._wire import loads_apart
+
+            graph = loads_apart(blob, tensors)
         except Exception as e:
             return Failed(None, type(e).__name__, (
                 f"the graph could not be unpickled here ({e}): a class it uses must be "

@@ -116,6 +116,39 @@ def dumps(obj: Any) -> bytes:
     return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+def dumps_apart(obj: Any) -> tuple[bytes, list]:
+    """``dumps``, with the tensors left out of the bytes and handed back beside them: the
+    transport sends tensors as they are (no copy of a module's weights in a pickle)."""
+    import cloudpickle
+    import torch
+
+    tensors: list = []
+    seen: dict[int, int] = {}
+
+    class Apart(cloudpickle.CloudPickler):
+        def persistent_id(self, o):
+            if isinstance(o, torch.Tensor) and type(o) in (torch.Tensor, torch.nn.Parameter):
+                if id(o) not in seen:  # a tensor tied in two places stays one
+                    seen[id(o)] = len(tensors)
+                    tensors.append(o.detach() if type(o) is torch.Tensor else o)
+                return seen[id(o)]
+            return None
+
+    buf = io.BytesIO()
+    Apart(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue(), tensors
+
+
+def loads_apart(blob: bytes, tensors: list) -> Any:
+    """What ``dumps_apart`` gave, whole again."""
+
+    class Together(pickle.Unpickler):
+        def persistent_load(self, pid):
+            return tensors[pid]
+
+    return Together(io.BytesIO(blob)).load()
+
+
 class Elsewhere:
     """What stands in a worker's catalog for a node that runs somewhere else: its id and
     kind (what the worker compares catalogs by), never the node itself."""
@@ -134,7 +167,7 @@ class Elsewhere:
         return f"Elsewhere({self.node!r}, {self._soma_kind})"
 
 
-def graph_for(graph, host: str) -> bytes:
+def graph_for(graph, host: str) -> tuple[bytes, list]:
     """The graph as ``host``'s worker is sent it, pickled: the nodes placed there (a
     trainer with the node it trains, one object wherever it stands), an ``Elsewhere`` for
     every other; ids, edges, placement and memory whole. A placed node that does not
@@ -144,7 +177,8 @@ def graph_for(graph, host: str) -> bytes:
                   for n, o in graph.catalog.items()},
                  graph.edges, place, graph.memory, graph.reports)
     try:
-        return dumps(sent)  # one blob: an object in two positions stays one object there
+        # one blob: an object in two positions stays one object there; its tensors beside
+        return dumps_apart(sent)
     except Exception as e:
         raise _refusal(sent, host, e) from None
 
