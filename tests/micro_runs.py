@@ -156,6 +156,22 @@ def failed_batch() -> None:
     print("ok failed batch")
 
 
+def feeds_back() -> None:
+    """Whether each trainer's copy on its worker computes dL/d(its input): only where
+    something upstream learns (a trainer sent before it was told would answer it, an
+    activation's worth of bytes each step for nobody)."""
+    from somatize.torch import Trainer, parameters
+
+    g = placed(Graph.somatize(Pre() >> Body() >> Head()), {"pre": "gpu", "body": "gpu"})
+    trains = {"pre": split(), "body": split()}
+    with Trainer(g, F.cross_entropy, SGD(parameters(g, without=trains)), trains=trains) as t:
+        print(json.dumps(t._step.runtime.call("gpu", _feeds)))
+
+
+def _feeds(live) -> dict[str, bool]:
+    return {n: live.catalog[n].feeds_back for n in ("pre", "body")}
+
+
 # -- the wire ------------------------------------------------------------------------
 
 class DigitsBody(Node):

@@ -37,3 +37,8 @@ def test_the_digits_over_a_bfloat16_wire_keep_their_accuracy_and_send_half_the_b
     assert plain["loss"] != narrow["loss"]  # not bit-identical, and not said to be
     # activations and gradients, as the transport carries them: half
     assert abs(narrow["bytes"] / plain["bytes"] - 0.5) < 0.01, got
+
+
+def test_a_first_trainer_on_a_worker_sends_no_gradient_of_its_input_back():
+    # told before it is sent: the first node's copy over there asks no dL/dx of its input
+    assert json.loads(run("feeds_back").splitlines()[-1]) == {"pre": False, "body": True}

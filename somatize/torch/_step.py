@@ -75,6 +75,9 @@ class Step:
             for trainer in self.trains.values():
                 trainer.accumulates, trainer.in_flight = True, micro_batches
             defer = False
+        for n, trainer in self.trains.items():  # so is this: a copy over there reads it
+            trainer.feeds_back = any(
+                a in self.trains or _trainable(graph, a) for a in graph.ancestors(n))
         self.keeper = _holes.keeper(store)
         # the graph that runs (trainers around their nodes): this step's own object, so the
         # runtime the transport holds for it is this step's alone (its own session)
@@ -98,9 +101,6 @@ class Step:
         self.stages = stages(graph, trains) if trains else []
         self.orders = [[a for a in self.running.plan.order if node_of(a) in stage]
                        for stage in self.stages]
-        for n, trainer in trains.items():
-            trainer.feeds_back = any(
-                a in trains or _trainable(graph, a) for a in graph.ancestors(n))
         sinks = set(self.sinks)
         self.wanted = [  # per stage: the values read by a later stage or the objective
             [n for n in stage if n in sinks or any(c not in stage for c in graph.successors(n))]
