@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -198,8 +199,6 @@ def gflops(seconds: float) -> float:
 def side_by_side(there: int) -> tuple[float, float]:
     """GFLOP/s here alone, then while a process on core ``there`` multiplies too: whether
     the two cores compute at once (on a VM two vCPUs may share one physical core)."""
-    import subprocess
-
     alone = gflops(1.0)
     busy = subprocess.Popen([sys.executable, __file__, "--multiply-on", str(there)])
     time.sleep(0.5)
@@ -338,8 +337,6 @@ c.close()
 
 def throughput(src, dst) -> float:
     """MB/s of a bare TCP transfer of 64 MB from host ``src`` to host ``dst``."""
-    import subprocess
-
     r = dst.popen([sys.executable, "-c", _RECEIVE, dst.addr], stdout=subprocess.PIPE, text=True)
     try:
         if r.stdout.readline().strip() != "ready":
@@ -351,12 +348,25 @@ def throughput(src, dst) -> float:
         r.wait(timeout=10)
 
 
+def losses(host) -> str:
+    """Packets the host's token bucket dropped and TCP segments it sent again, so far."""
+    import re
+
+    tc = subprocess.run(["tc", "-n", host.ns, "-s", "qdisc", "show", "dev", host.iface],
+                        capture_output=True, text=True, timeout=30).stdout
+    dropped = re.search(r"dropped (\d+)", tc)
+    tcp = [line.split()[1:] for line in host.run(["cat", "/proc/net/snmp"], timeout=30)
+           .stdout.splitlines() if line.startswith("Tcp:")]
+    resent = dict(zip(*tcp, strict=True)).get("RetransSegs", "?") if len(tcp) == 2 else "?"
+    return (f"host {host.name} sent {host.counters()['tx'] / 1e6:.0f} MB, its tbf dropped "
+            f"{dropped.group(1) if dropped else '?'} packets, TCP resent {resent} segments")
+
+
 def over_link(args) -> int:
     """Hosts a and b with their links shaped to ``args.link``, a standing worker on b
     pinned to the worker's core, and this script again on a as the coordinator; all of it
     removed at the end, whatever happens."""
     import signal
-    import subprocess
     import tempfile
 
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
@@ -403,6 +413,8 @@ def over_link(args) -> int:
                 rc = 1
             if rc:
                 print(open(log).read()[-4000:], file=sys.stderr)
+            else:
+                print(f"\nthe link, over the whole run: {losses(a)}; {losses(b)}")
             return rc
     finally:
         hosts.close()
