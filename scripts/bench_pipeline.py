@@ -5,6 +5,7 @@ by side in one run.
     python scripts/bench_pipeline.py                    # cores 0 and 1, 3 x 8 steps, batch 1024
     python scripts/bench_pipeline.py --cores 2,3 --steps 12 --repeats 5 --wire
     python scripts/bench_pipeline.py --wait 0.05        # halves that sleep instead of multiplying
+    sudo .venv/bin/python scripts/bench_pipeline.py --link 1gbit   # also over a 1 Gbit/s link
 
 Each process is pinned to its own core (every thread of it, ``os.sched_setaffinity``)
 with one math thread (``torch.set_num_threads(1)``, ``Worker.embedded(threads=1)``); the
@@ -16,8 +17,16 @@ best a k-piece pipeline can do with them, a bare round trip, and whether the two
 compute at once at all (two vCPUs of a VM may share one physical core: then no split
 beats one piece, and ``--wait`` shows the schedule on halves that share nothing).
 
-Over a bandwidth-limited link (``tc ... tbf`` between network namespaces,
-``scripts/hosts.sh up --rate 1gbit``) is not here yet.
+``--link RATE`` (as root, with ``ip`` and ``tc``) runs it all again between two test hosts
+(network namespaces, ``tests/hosts.py``, 198.18.0.1 and .2) whose links are shaped to RATE
+each way (``tc qdisc replace dev veth-X root tbf rate RATE burst 256kb latency 50ms``; a
+32kbit burst gets only ~85 MB/s of a 1gbit link on this kernel): the coordinator on host a,
+the body on a standing worker (``python -m somatize.worker``, ``Worker.at``) on host b,
+pinned as above. Every split runs both ways in turn, step by step: over loopback (an
+embedded worker on host a) and over the link, with and without ``wire=torch.bfloat16``,
+and prints the bytes each link step moved and what they cost at the rate measured by a
+bare TCP transfer. The hosts, and whatever runs on them, are removed on exit (Ctrl-C or
+an error too).
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import time
 
@@ -107,14 +117,31 @@ def pin(pid: int | str, core: int) -> None:
             pass
 
 
-def trainer(k: int | None, wire: torch.dtype | None = None, wait: float = 0.0) -> Trainer:
-    """One piece here (``k=None``), or the body on the worker, in ``k`` micro-batches."""
+def trainer(k: int | None, wire: torch.dtype | None = None, wait: float = 0.0,
+            at: str | None = None) -> Trainer:
+    """One piece here (``k=None``), or the body on the worker (embedded here, or the
+    standing one at ``at``), in ``k`` micro-batches."""
     g = graph(None if k is None else "gpu", wait)
     if k is None:
         return Trainer(g, F.cross_entropy, torch.optim.SGD(parameters(g), lr=LR))
     trains = {"body": Split(torch.optim.SGD, lr=LR, wire=wire)}
+    w = Worker.embedded(threads=1) if at is None else Worker.at(at, threads=1, timeout=120)
     return Trainer(g, F.cross_entropy, torch.optim.SGD(parameters(g, without=trains), lr=LR),
-                   trains=trains, workers={"gpu": Worker.embedded(threads=1)}, micro_batches=k)
+                   trains=trains, workers={"gpu": w}, micro_batches=k)
+
+
+LINK = "link: "  # names of the runs over the shaped link
+
+
+def link_bytes() -> tuple[int, int]:
+    """Bytes this host's link (veth-*, ``tests/hosts.py``) has sent and received so far."""
+    n = [0, 0]
+    for iface in os.listdir("/sys/class/net"):
+        if iface.startswith("veth-"):
+            for i, way in enumerate(("tx", "rx")):
+                with open(f"/sys/class/net/{iface}/statistics/{way}_bytes") as f:
+                    n[i] += int(f.read())
+    return n[0], n[1]
 
 
 def timed(t: Trainer, batch) -> float:
@@ -172,8 +199,6 @@ def gflops(seconds: float) -> float:
 def side_by_side(there: int) -> tuple[float, float]:
     """GFLOP/s here alone, then while a process on core ``there`` multiplies too: whether
     the two cores compute at once (on a VM two vCPUs may share one physical core)."""
-    import subprocess
-
     alone = gflops(1.0)
     busy = subprocess.Popen([sys.executable, __file__, "--multiply-on", str(there)])
     time.sleep(0.5)
@@ -193,8 +218,15 @@ def main() -> int:
     ap.add_argument("--wait", type=float, default=0.0, metavar="MS",
                     help="each half sleeps MS per row forward (twice that backward) instead "
                          "of multiplying: halves on cores that do not share anything")
+    ap.add_argument("--link", metavar="RATE", default=None,
+                    help="also over a link shaped to RATE (e.g. 1gbit) between two network "
+                         "namespaces, the worker a standing daemon there (root, ip, tc)")
     ap.add_argument("--multiply-on", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--on-link", default=None, help=argparse.SUPPRESS)  # HERE,THERE:PORT
+    ap.add_argument("--rate", default=None, help=argparse.SUPPRESS)  # measured, MB/s
     args = ap.parse_args()
+    if args.link and not args.on_link:
+        return over_link(args)
     torch.set_num_threads(1)
     if args.multiply_on is not None:  # side_by_side's other process
         pin(os.getpid(), args.multiply_on)
@@ -206,22 +238,41 @@ def main() -> int:
              torch.randint(0, 10, (args.batch,), generator=gen)) for _ in range(args.steps)]
 
     w = args.wait
-    runs = {"one piece, one core": trainer(None, wait=w), "split, k=1": trainer(1, wait=w),
-            "split, k=4": trainer(4, wait=w)}
-    if args.wire:
-        runs["split, k=4, bf16 wire"] = trainer(4, torch.bfloat16, wait=w)
+    if not args.on_link:
+        runs = {"one piece, one core": trainer(None, wait=w), "split, k=1": trainer(1, wait=w),
+                "split, k=4": trainer(4, wait=w)}
+        if args.wire:
+            runs["split, k=4, bf16 wire"] = trainer(4, torch.bfloat16, wait=w)
+    else:  # every split both ways, with and without the narrow wire
+        import somatize.remote
+
+        me, daemon = args.on_link.split(",")
+        somatize.remote.configure(listen=me)  # where the worker on the other host reaches us
+        splits = {f"split, k={k}{', bf16 wire' if wire else ''}": (k, wire)
+                  for k in (1, 4) for wire in (None, torch.bfloat16)}
+        runs = {"one piece, one core": trainer(None, wait=w)}
+        for name, (k, wire) in splits.items():
+            runs[name] = trainer(k, wire, wait=w)
+        for name, (k, wire) in splits.items():
+            runs[LINK + name] = trainer(k, wire, wait=w, at=daemon)
     for t in runs.values():
         for b in data[:2]:
             timed(t, b)  # warm: the worker is up, its threads made
     worker = next(iter(runs["split, k=1"].where()["body"]))
     pin(worker, there)
+    if args.on_link:
+        pin(next(iter(runs[LINK + "split, k=1"].where()["body"])), there)
     pin(os.getpid(), here)
+    moved: dict[str, list[tuple[int, int]]] = {n: [] for n in runs if n.startswith(LINK)}
     alone = Alone(w)
     ms: dict[str, list[float]] = {name: [] for name in [*runs, "body alone", "head alone"]}
     for _ in range(args.repeats):
         for b in data:  # step by step in turn, so a slow moment of the machine is shared
             for name, t in runs.items():
+                n = link_bytes() if name in moved else (0, 0)
                 ms[name].append(timed(t, b))
+                if name in moved:
+                    moved[name].append(tuple(m - k for m, k in zip(link_bytes(), n, strict=True)))
             for name, v in alone(b).items():
                 ms[name].append(v)
     med = {name: statistics.median(v) for name, v in ms.items()}
@@ -230,9 +281,26 @@ def main() -> int:
     print(f"{model} on core {there} (worker pid {worker}), head on "
           f"core {here}, batch {args.batch}, SGD, one math thread each; medians of "
           f"{args.repeats} x {args.steps} steps, taken in turn")
-    print(f"{'run':<24}{'ms/step':>10}{'x one piece':>14}")
-    for name in runs:
-        print(f"{name:<24}{med[name]:>10.1f}{med[name] / one:>14.2f}")
+    if args.on_link:
+        print(f"loopback: an embedded worker on the coordinator's host; link: the standing "
+              f"worker on the other host, {args.link} each way (TCP moves "
+              f"{float(args.rate):.0f} MB/s over it)")
+        print(f"{'run':<24}{'loopback':>10}{'x one':>7}{'link':>10}{'x one':>7}"
+              f"{'MB out':>8}{'MB back':>8}{'at rate':>9}{'link-loop':>11}")
+        print(f"{'one piece, one core':<24}{one:>10.1f}{1:>7.2f}")
+        for name in splits:
+            lo, li = med[name], med[LINK + name]
+            out, back = (statistics.median(v) / 1e6 for v in zip(*moved[LINK + name], strict=True))
+            print(f"{name:<24}{lo:>10.1f}{lo / one:>7.2f}{li:>10.1f}{li / one:>7.2f}"
+                  f"{out:>8.2f}{back:>8.2f}{(out + back) / float(args.rate) * 1e3:>9.1f}"
+                  f"{li - lo:>11.1f}")
+        print("(ms per step; MB out / back: what the coordinator's link sent to / received "
+              "from the worker's per step, headers included; at rate: both one after the "
+              "other at the measured rate)")
+    else:
+        print(f"{'run':<24}{'ms/step':>10}{'x one piece':>14}")
+        for name in runs:
+            print(f"{name:<24}{med[name]:>10.1f}{med[name] / one:>14.2f}")
     b, h = med["body alone"], med["head alone"]
     rtt = round_trip(runs["split, k=1"])
     print(f"\nbody fwd+bwd alone {b:.1f} ms, head fwd+bwd alone {h:.1f} ms (one core each), "
@@ -248,6 +316,108 @@ def main() -> int:
     for t in runs.values():
         t.close()
     return 0
+
+
+_RECEIVE = r"""
+import socket, sys, time
+s = socket.create_server((sys.argv[1], 7100)); s.settimeout(60)
+print("ready", flush=True)
+c, _ = s.accept(); c.settimeout(60); buf = bytearray(1 << 20); n, t0 = 0, None
+while k := c.recv_into(buf):
+    t0 = t0 or time.perf_counter(); n += k
+print(n / (time.perf_counter() - t0) / 1e6, flush=True)
+"""
+_SEND = r"""
+import socket, sys
+c = socket.create_connection((sys.argv[1], 7100), timeout=60); b = bytes(1 << 20)
+for _ in range(64): c.sendall(b)
+c.close()
+"""
+
+
+def throughput(src, dst) -> float:
+    """MB/s of a bare TCP transfer of 64 MB from host ``src`` to host ``dst``."""
+    r = dst.popen([sys.executable, "-c", _RECEIVE, dst.addr], stdout=subprocess.PIPE, text=True)
+    try:
+        if r.stdout.readline().strip() != "ready":
+            raise RuntimeError("the receiver did not start")
+        src.run([sys.executable, "-c", _SEND, dst.addr], timeout=60, check=True)
+        return float(r.communicate(timeout=60)[0])
+    finally:
+        r.kill()
+        r.wait(timeout=10)
+
+
+def losses(host) -> str:
+    """Packets the host's token bucket dropped and TCP segments it sent again, so far."""
+    import re
+
+    tc = subprocess.run(["tc", "-n", host.ns, "-s", "qdisc", "show", "dev", host.iface],
+                        capture_output=True, text=True, timeout=30).stdout
+    dropped = re.search(r"dropped (\d+)", tc)
+    tcp = [line.split()[1:] for line in host.run(["cat", "/proc/net/snmp"], timeout=30)
+           .stdout.splitlines() if line.startswith("Tcp:")]
+    resent = dict(zip(*tcp, strict=True)).get("RetransSegs", "?") if len(tcp) == 2 else "?"
+    return (f"host {host.name} sent {host.counters()['tx'] / 1e6:.0f} MB, its tbf dropped "
+            f"{dropped.group(1) if dropped else '?'} packets, TCP resent {resent} segments")
+
+
+def over_link(args) -> int:
+    """Hosts a and b with their links shaped to ``args.link``, a standing worker on b
+    pinned to the worker's core, and this script again on a as the coordinator; all of it
+    removed at the end, whatever happens."""
+    import signal
+    import tempfile
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from hosts import Hosts, HostsError
+
+    here, there = (int(c) for c in args.cores.split(","))
+
+    def stop(signum, frame):  # SIGTERM, SIGHUP: clean up as on Ctrl-C
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)
+    try:
+        hosts = Hosts("a", "b").up()
+    except HostsError as e:
+        print(f"--link needs test hosts: {e}", file=sys.stderr)
+        return 1
+    try:
+        a, b = hosts["a"], hosts["b"]
+        for h in (a, b):
+            h.shape(args.link)
+        rate = statistics.median([throughput(a, b), throughput(b, a)])
+        with tempfile.TemporaryDirectory() as tmp:
+            log = os.path.join(tmp, "daemon.log")
+            with open(log, "w") as out:
+                daemon = b.popen(["taskset", "-c", str(there), sys.executable, "-m",
+                                  "somatize.worker", "--name", "gpu", "--listen",
+                                  f"{b.addr}:7000"], stdout=out, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 60
+            while "listening on" not in open(log).read():
+                if daemon.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the standing worker did not start:\n{open(log).read()}")
+                time.sleep(0.05)
+            argv = [a for a in sys.argv[1:]]
+            coordinator = a.popen(["taskset", "-c", str(here), sys.executable,
+                                   os.path.abspath(__file__), *argv, "--on-link",
+                                   f"{a.addr},{b.addr}:7000", "--rate", f"{rate:.1f}"])
+            # each step of 9 runs well under 5 s on these cores, warm-up and start included
+            limit = 120 + 9 * 5 * (args.repeats * args.steps + 2)
+            try:
+                rc = coordinator.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                print(f"the coordinator took more than {limit} s: stopped", file=sys.stderr)
+                rc = 1
+            if rc:
+                print(open(log).read()[-4000:], file=sys.stderr)
+            else:
+                print(f"\nthe link, over the whole run: {losses(a)}; {losses(b)}")
+            return rc
+    finally:
+        hosts.close()
 
 
 if __name__ == "__main__":
