@@ -14,8 +14,7 @@ import threading
 import time
 
 import torch
-from models import Body, Head, Holding, Nap, Sleepy
-from split_nodes import same
+from models import Body, Head, Holding, Nap, Sleepy, same
 from torch.nn.functional import cross_entropy
 
 from somatize import Graph, SomatizeError

@@ -14,7 +14,7 @@ HERE = Path(__file__).resolve().parent
 PRELUDE = """\
 import functools, os
 import torch, torch.nn.functional as F
-from split_nodes import Body, Head, Pre, batches, same, twins, weights
+from models import Body, Head, Pre, batches, same, twins, weights
 from somatize import Graph
 from somatize.torch import Split, Trainer, parameters
 SGD = functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9)
@@ -46,7 +46,8 @@ def coordinate(code: str, tmp_path: Path, timeout: float = 120) -> str:
 def test_a_graph_trained_across_a_worker_gives_the_same_numbers_as_the_whole_one(tmp_path):
     out = coordinate("""
         data = batches(10)
-        for build in (lambda: Pre() >> Body() >> Head(), lambda: Body() >> Head()):
+        for build in (lambda: Pre() >> Body(seed=None) >> Head(seed=None),
+                      lambda: Body(seed=None) >> Head(seed=None)):
             whole, far = twins(build)
             far = placed(far, {"body": "gpu"})
             mine = weights(far)["body"]
@@ -74,7 +75,7 @@ def test_a_graph_trained_across_a_worker_gives_the_same_numbers_as_the_whole_one
 
 def test_the_hand_written_loop_and_trainer_step_over_a_worker_give_the_same_losses(tmp_path):
     coordinate("""
-        mine, theirs = twins(lambda: Body() >> Head())
+        mine, theirs = twins(lambda: Body(seed=None) >> Head(seed=None))
         body, head = mine["body"].lin, mine["head"].lin
         opt = SGD([*body.parameters(), *head.parameters()])
         by_hand = []
@@ -93,7 +94,7 @@ def test_the_hand_written_loop_and_trainer_step_over_a_worker_give_the_same_loss
 def test_stop_and_resume_over_a_worker_and_nothing_trained_here(tmp_path):
     coordinate("""
         data = batches(8)
-        build = lambda: Pre() >> Body() >> Head()
+        build = lambda: Pre() >> Body(seed=None) >> Head(seed=None)
         whole, far = twins(build)
         _, again = twins(build)
         a = Trainer(whole, F.cross_entropy, SGD(parameters(whole)))
@@ -117,7 +118,7 @@ def test_a_far_half_nobody_trains_is_a_plain_step_and_gives_the_same_numbers(tmp
     coordinate("""
         from somatize.torch import freeze
         data = batches(6)
-        whole, far = twins(lambda: Body().frozen() >> Head())
+        whole, far = twins(lambda: Body(seed=None).frozen() >> Head(seed=None))
         far = placed(far, {"body": "gpu"})
         freeze(whole), freeze(far)
         start = weights(far)["head"]
@@ -134,7 +135,7 @@ def test_a_far_half_nobody_trains_is_a_plain_step_and_gives_the_same_numbers(tmp
 def test_where_the_far_sides_step_waits_for_the_next_input_the_weights_here_do_not(tmp_path):
     out = coordinate("""
         data = batches(4)
-        whole, far = twins(lambda: Body() >> Head())
+        whole, far = twins(lambda: Body(seed=None) >> Head(seed=None))
         far = placed(far, {"body": "gpu"})
         a = Trainer(whole, F.cross_entropy, SGD(parameters(whole)))
         trains = {"body": split()}
