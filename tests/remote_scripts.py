@@ -128,7 +128,7 @@ def unpicklable_here() -> None:
                  trains=trains) as b:
         say(losses=a.fit(data, progress=False) == b.fit(data, progress=False),
             weights=same(a.state_dict()["nodes"], b.state_dict()["nodes"]),
-            there=b._step.runtime.call("gpu", _over_there))
+            there=b.runtime.call("gpu", _over_there))
 
 
 def interrupted(where: str, path: str) -> None:

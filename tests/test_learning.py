@@ -49,8 +49,18 @@ def test_split_stands_in_two_positions_and_nobody_downstream_is_told():
 
 
 def test_split_builds_its_optimizer_at_first_use_from_a_factory_that_pickles():
+    built = []
+
+    class Counted(torch.optim.SGD):
+        def __init__(self, *args, **kw):
+            built.append(1)
+            super().__init__(*args, **kw)
+
+    counted = Split(Counted, lr=0.1)
+    assert built == []  # never in __init__
+    counted.node = Body(seed=None)
+    assert counted.optimizer is counted.optimizer and built == [1]  # at first use, once
     s = Split(torch.optim.SGD, lr=0.1, momentum=0.9)
-    assert s._optimizer is None  # never in __init__
     assert isinstance(s.factory, functools.partial) and pickle.loads(pickle.dumps(s.factory))
     body = Body(seed=None)
     s.node = body
