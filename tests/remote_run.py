@@ -1,7 +1,7 @@
 """Run a coordinator of tests/remote_scripts.py in a process of its own (RPC starts once
 per process), and what the remote tests ask of the processes they leave behind.
 
-    out = coordinate("seeds_graph", tmp_path)          # its stdout; asserts it exited 0
+    out = coordinate("seeds_graph", cwd=tmp_path)      # its stdout; asserts it exited 0
     assert no_worker_left([out.split("PID")[1].split()[0]])
 """
 
@@ -16,23 +16,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SCRIPTS = HERE / "remote_scripts.py"
-# tests/test_hosts.py still runs code strings on its test hosts: they start with this
-PRELUDE = """\
-import os, sys, time
-import torch
-from somatize import Graph, Node, Done, Opaque, Lost, WorkerError, Refused
-from somatize.remote import Worker, runtime_for
-from models import *
-torch.manual_seed(0)
-x = torch.randn(5, 8)
-def worker_error(g, x, **kw):  # g.forward must raise: its message, the seconds it took
-    t = time.monotonic()
-    try:
-        g.forward(x, **kw)
-    except WorkerError as e:
-        return str(e), time.monotonic() - t
-    raise SystemExit("no error")
-"""
 
 
 def env() -> dict[str, str]:
