@@ -399,7 +399,7 @@ def traced(out):
     from somatize.torch import Split, Trainer, parameters
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from split_nodes import Body, Head, batches
+    from models import Body, Head, batches
 
     pl.seed_everything(0)
     strategy = SomatizeStrategy(place={"encoder": "worker"}, trace=out + ".lightning.json")
@@ -409,7 +409,7 @@ def traced(out):
     with open(next(os.path.join(r, f) for r, _, fs in os.walk(logs) for f in fs
                    if f == "metrics.csv")) as f:
         metrics = [r for r in csv.DictReader(f) if r.get("somatize/bytes_sent")]
-    g = Graph.somatize(Body().at("gpu") >> Head())
+    g = Graph.somatize(Body(seed=None).at("gpu") >> Head(seed=None))
     trains = {"body": Split(torch.optim.SGD, lr=0.1)}
     with Trainer(g, F.cross_entropy, torch.optim.SGD(parameters(g, without=trains), lr=0.1),
                  trains=trains, trace=out + ".trainer.json") as t:

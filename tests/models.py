@@ -1,6 +1,9 @@
-"""Tiny models shared by the tests: the seeds' Body and Head, and a few odd nodes.
+"""Tiny models shared by the tests: the seeds' Body and Head (seeded, or with
+``seed=None`` drawn from torch's generator as it stands), a Pre above them, the cache
+tests' counted nodes, a few odd nodes, and twin graphs to train in pieces and whole.
 
-    g = Graph.somatize(Body().at("gpu") >> Head())
+    g = Graph.somatize(Body().at("gpu") >> Head())            # the same weights every time
+    whole, split = twins(lambda: Pre() >> Body(seed=None) >> Head(seed=None))
 """
 
 from __future__ import annotations
@@ -8,11 +11,12 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections import Counter
 
 import torch
 from torch import nn
 
-from somatize import Done, Node, Opaque
+from somatize import Done, Graph, Node, Opaque
 
 
 class Body(Node):
@@ -128,3 +132,145 @@ class Nap(Node):
     def forward(self, x, ctx):
         time.sleep(self.seconds)
         return Done(x)
+
+
+class Pre(Node):
+    """Something with weights above the trained node (here, in one piece)."""
+
+    def __init__(self, n: int = 8):
+        self.lin = nn.Linear(n, n)
+
+    def forward(self, x, ctx):
+        return Done(Opaque(self.lin(x).tanh()))
+
+    def parameters(self):
+        return list(self.lin.parameters())
+
+
+class Drop(Node):
+    """Dropout (half the values, scaled), drawn from torch's generator while training."""
+
+    def forward(self, x, ctx):
+        return Done(Opaque(torch.nn.functional.dropout(x, 0.5, training=ctx.training)))
+
+    def parameters(self):
+        return []
+
+
+class Mute(Node):
+    """Has weights but does not say so (no parameters())."""
+
+    def __init__(self):
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, ctx):
+        return Done(Opaque(self.lin(x)))
+
+
+def batches(n: int = 10, size: int = 16, dim: int = 8, seed: int = 0):
+    """``n`` batches of ``(input, target)`` with 3 classes."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(torch.randn(size, dim, generator=gen), torch.randint(0, 3, (size,), generator=gen))
+            for _ in range(n)]
+
+
+def twins(build, seed: int = 0) -> tuple[Graph, Graph]:
+    """Two graphs with the same weights, from ``build()`` returning a composition."""
+    torch.manual_seed(seed)
+    one = Graph.somatize(build())
+    other = Graph.somatize(build())
+    for n, node in one.catalog.items():
+        for a, b in zip(node.parameters(), other.catalog[n].parameters(), strict=True):
+            with torch.no_grad():
+                b.copy_(a)
+    return one, other
+
+
+def weights(graph: Graph) -> dict[str, list[torch.Tensor]]:
+    """Every node's parameters, by node id (copies)."""
+    return {n: [p.detach().clone() for p in node.parameters()]
+            for n, node in graph.catalog.items() if hasattr(node, "parameters")}
+
+
+def same(a, b) -> bool:
+    """Bit for bit: the same keys and torch.equal tensors, nested."""
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+# -- the cache tests' nodes: each counts its runs in ``RUNS`` by node id --------------
+
+RUNS: Counter = Counter()
+
+
+class Encoder(Node):
+    """A stateful node: a linear layer whose weights come from ``seed``."""
+
+    def __init__(self, seed: int = 0, d_in: int = 4, d_out: int = 3):
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(d_in, d_out)
+
+    def forward(self, x, ctx):
+        RUNS[ctx.node] += 1
+        return Done(Opaque(self.lin(x)))
+
+    def parameters(self):
+        return list(self.lin.parameters())
+
+
+class Stem(Encoder):
+    """Another stateful node, to stand upstream of the encoder (counted as well)."""
+
+    def __init__(self, seed: int = 1):
+        super().__init__(seed, 4, 4)
+
+
+class Probe(Node):
+    """The part that trains on the encoder: a linear layer (counted as well)."""
+
+    def __init__(self, seed: int = 2, d_in: int = 3):
+        torch.manual_seed(seed)
+        self.lin = nn.Linear(d_in, 2)
+
+    def forward(self, x, ctx):
+        RUNS[ctx.node] += 1
+        return Done(Opaque(self.lin(x)))
+
+    def parameters(self):
+        return list(self.lin.parameters())
+
+
+class Tokenize(Node):
+    """A node with no state (a tokenizer): settled by nature."""
+
+    def forward(self, x, ctx):
+        RUNS[ctx.node] += 1
+        return Done(Opaque(x * 2))
+
+
+class Handle:
+    """A process-local object no codec knows."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+class FromHandle(Node):
+    """Reads the tensor out of a Handle."""
+
+    def forward(self, x, ctx):
+        RUNS[ctx.node] += 1
+        return Done(Opaque(x.t + 1))
+
+
+class ToHandle(Node):
+    """Wraps its input in a Handle."""
+
+    def forward(self, x, ctx):
+        RUNS[ctx.node] += 1
+        return Done(Opaque(Handle(x)))

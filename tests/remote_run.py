@@ -1,35 +1,21 @@
-"""Run a coordinator script in its own process (RPC starts once per process), for the
-remote tests: the script sees tests/ on its path, so ``from models import Body`` works.
+"""Run a coordinator of tests/remote_scripts.py in a process of its own (RPC starts once
+per process), and what the remote tests ask of the processes they leave behind.
 
-    out = coordinate('''print(Graph.somatize(Body()).forward(x))''', tmp_path)
+    out = coordinate("seeds_graph", cwd=tmp_path)      # its stdout; asserts it exited 0
+    assert no_worker_left([out.split("PID")[1].split()[0]])
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-PRELUDE = """\
-import os, sys, time
-import torch
-from somatize import Graph, Node, Done, Opaque, Lost, WorkerError, Refused
-from somatize.remote import Worker, runtime_for
-from models import *
-torch.manual_seed(0)
-x = torch.randn(5, 8)
-def worker_error(g, x, **kw):  # g.forward must raise: its message, the seconds it took
-    t = time.monotonic()
-    try:
-        g.forward(x, **kw)
-    except WorkerError as e:
-        return str(e), time.monotonic() - t
-    raise SystemExit("no error")
-"""
+SCRIPTS = HERE / "remote_scripts.py"
 
 
 def env() -> dict[str, str]:
@@ -39,15 +25,29 @@ def env() -> dict[str, str]:
     return e
 
 
-def coordinate(code: str, tmp_path: Path, timeout: float = 90, expect_rc: int = 0,
-               name: str = "coordinator.py") -> str:
-    """Run ``PRELUDE + code`` as a script; assert its exit code; return its stdout."""
-    script = tmp_path / name
-    script.write_text(PRELUDE + textwrap.dedent(code))
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
-                       timeout=timeout, env=env(), cwd=tmp_path)
+def start(name: str, *args, cwd: Path) -> subprocess.Popen:
+    """``remote_scripts.<name>(*args)`` in a coordinator process of its own, in ``cwd``."""
+    return subprocess.Popen([sys.executable, str(SCRIPTS), name, *map(str, args)], cwd=cwd,
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def coordinate(name: str, *args, cwd: Path, timeout: float = 90, expect_rc: int = 0) -> str:
+    """Run ``remote_scripts.<name>(*args)`` to its end; assert its exit code; answer its
+    stdout."""
+    r = subprocess.run([sys.executable, str(SCRIPTS), name, *map(str, args)],
+                       capture_output=True, text=True, timeout=timeout, env=env(), cwd=cwd)
     assert r.returncode == expect_rc, f"rc={r.returncode}\n{r.stdout}\n{r.stderr[-4000:]}"
     return r.stdout
+
+
+def said(name: str, *args, cwd: Path, timeout: float = 120) -> dict:
+    """Run ``remote_scripts.<name>(*args)`` to its end; everything it said (one JSON
+    object a line), in one dict."""
+    got: dict = {}
+    for line in coordinate(name, *args, cwd=cwd, timeout=timeout).splitlines():
+        got.update(json.loads(line))
+    return got
 
 
 def no_worker_left(pids) -> bool:

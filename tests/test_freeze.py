@@ -3,7 +3,7 @@ names what a settled node produces; a declared-but-never-obeyed ``.frozen()`` re
 
 import pytest
 import torch
-from cache_nodes import RUNS, Encoder, Head, Tokenize
+from models import RUNS, Encoder, Probe, Tokenize
 
 from somatize import Graph, NotSettled
 from somatize._say import forget
@@ -21,7 +21,7 @@ def _fresh():
 
 
 def test_freeze_stops_gradients_sets_eval_and_pays_for_the_digest_once():
-    enc, head = Encoder(), Head()
+    enc, head = Encoder(), Probe()
     enc.lin.train()
     g = Graph.somatize(enc.frozen() >> head)
     assert freeze(g) is g
@@ -34,20 +34,20 @@ def test_freeze_stops_gradients_sets_eval_and_pays_for_the_digest_once():
 
 
 def test_a_frozen_node_with_state_and_no_digest_refuses_and_says_to_call_freeze(tmp_path):
-    g = Graph.somatize(Encoder().frozen() >> Head())
+    g = Graph.somatize(Encoder().frozen() >> Probe())
     with pytest.raises(NotSettled, match=r"'encoder'.*somatize\.torch\.freeze\(g\)"):
         g.forward(x)
-    g2 = Graph.somatize(Encoder().frozen().cached() >> Head())
+    g2 = Graph.somatize(Encoder().frozen().cached() >> Probe())
     with pytest.raises(NotSettled, match="'encoder'"):
         g2.forward(x, store=tmp_path)
     assert RUNS == {}
 
 
 def test_a_frozen_node_with_no_state_is_fine_without_freeze(tmp_path):
-    g = Graph.somatize(Tokenize().frozen().cached() >> Head(d_in=4))
+    g = Graph.somatize(Tokenize().frozen().cached() >> Probe(d_in=4))
     g.forward(x, store=tmp_path)
     g.forward(x, store=tmp_path)
-    assert RUNS == {"tokenize": 1, "head": 2}
+    assert RUNS == {"tokenize": 1, "probe": 2}
 
 
 def test_two_checkpoints_of_one_class_are_two_names(tmp_path):
@@ -73,9 +73,9 @@ def test_the_first_review_bug_reproduced_declared_frozen_never_obeyed_is_refused
 def test_two_nodes_settled_at_the_same_digest_are_one_name(tmp_path):
     store = Store(tmp_path)
     a, b = Encoder(seed=3), Encoder(seed=3)  # two objects, the same weights
-    freeze(Graph.somatize(a.frozen().cached() >> Head())).forward(x, store=store)
-    freeze(Graph.somatize(b.frozen().cached() >> Head())).forward(x, store=store)
-    assert a._soma_digest == b._soma_digest
+    freeze(Graph.somatize(a.frozen().cached() >> Probe())).forward(x, store=store)
+    freeze(Graph.somatize(b.frozen().cached() >> Probe())).forward(x, store=store)
+    assert state_digest(a) == state_digest(b)
     assert RUNS["encoder"] == 1 and len(list(store.names())) == 1
 
 

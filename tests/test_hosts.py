@@ -6,18 +6,18 @@ namespaces joined by a bridge, tests/hosts.py), every process real and every wai
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
 import torch
 from hosts import PREFIX, Hosts, sweep
-from remote_run import PRELUDE, ROOT, env
+from remote_run import ROOT, SCRIPTS, env
 
 MB = 1 << 20
 
@@ -42,17 +42,14 @@ def _stop(daemon) -> None:
     assert proc.wait(timeout=30) == 0, log.read_text()
 
 
-def _script(host, code: str, tmp_path: Path, name: str) -> list[str]:
-    # the coordinator listens on its host's address, where the workers can reach it
-    script = tmp_path / name
-    script.write_text(PRELUDE + f"import somatize.remote\nsomatize.remote.configure("
-                      f"listen={host.addr!r})\n" + textwrap.dedent(code))
-    return [sys.executable, str(script)]
+def _script(host, name: str, *args) -> list[str]:
+    """``remote_scripts.<name>``, its coordinator listening on ``host``'s address, where
+    the workers can reach it."""
+    return [sys.executable, str(SCRIPTS), name, host.addr, *map(str, args)]
 
 
-def _coordinate(host, code: str, tmp_path: Path, name: str = "coordinator.py",
-                timeout: float = 60) -> str:
-    r = host.run(_script(host, code, tmp_path, name), timeout=timeout, env=env(), cwd=tmp_path)
+def _coordinate(host, name: str, *args, tmp_path: Path, timeout: float = 60) -> str:
+    r = host.run(_script(host, name, *args), timeout=timeout, env=env(), cwd=tmp_path)
     assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout}\n{r.stderr[-4000:]}"
     return r.stdout
 
@@ -73,15 +70,7 @@ def test_the_seeds_graph_on_a_standing_worker_on_another_host_equals_one_process
         hosts, tmp_path):
     a, b = hosts["a"], hosts["b"]
     daemon = _daemon(b, "gpu", 7000, tmp_path)
-    out = _coordinate(a, f"""
-        here = Graph.somatize(Body() >> Head()).forward(x)
-        with Graph.somatize(Body().at("gpu") >> Head()) as g:
-            y = g.forward(x, workers={{"gpu": Worker.at("{b.addr}:7000", timeout=30)}})
-            net = runtime_for(g).call("gpu", lambda live: os.readlink("/proc/self/ns/net"))
-            print("NET", net, "PID", runtime_for(g).peers["gpu"].pid)
-        assert torch.equal(y, here)
-        print("EQUAL")
-    """, tmp_path)
+    out = _coordinate(a, "host_standing", f"{b.addr}:7000", tmp_path=tmp_path)
     assert "EQUAL" in out
     # the worker ran in host b's network namespace, not in a's or this one's
     assert out.split("NET")[1].split()[0] == f"net:[{os.stat(f'/run/netns/{b.ns}').st_ino}]"
@@ -138,38 +127,13 @@ def test_torchrun_on_two_hosts_trains_what_it_trains_on_one(hosts, tmp_path):
     assert hosts.running() == {}
 
 
-FOUR_WORKERS = """
-class Big(Node):
-    '''16 MB made from the input.'''
-    def forward(self, x, ctx):
-        return Done(Opaque(torch.arange(4 * 2**20, dtype=torch.float32) + x.sum()))
-
-class Total(Node):
-    '''The sum of what it is given: one number.'''
-    def forward(self, x, ctx):
-        return Done(Opaque(x.sum(dtype=torch.float64).reshape(1)))
-
-def graph(b1="b1", c1="c1", b2="b2", c2="c2"):
-    return Graph.somatize((Big().at(b1) >> Total().at(c1)) | (Big().at(b2) >> Total().at(c2)))
-"""
-
-
 def test_a_value_from_a_worker_on_b_to_one_on_c_never_crosses_the_coordinators_link(
         hosts, tmp_path):
     a, b, c = hosts["a"], hosts["b"], hosts["c"]
     daemons = [_daemon(h, f"{h.name}{i}", 7000 + i, tmp_path) for h in (b, c) for i in (1, 2)]
     ports = {f"{h.name}{i}": f"{h.addr}:{7000 + i}" for h in (b, c) for i in (1, 2)}
     before = {h.name: h.counters() for h in (a, b, c)}
-    out = _coordinate(a, FOUR_WORKERS + textwrap.dedent(f"""
-        here = graph(None, None, None, None).forward(x)
-        workers = {{n: Worker.at(at, timeout=30) for n, at in {ports!r}.items()}}
-        with graph() as g:
-            y = g.forward(x, workers=workers)
-            pids = {{n: p.pid for n, p in runtime_for(g).peers.items()}}
-        assert y.keys() == here.keys() == {{"total", "total_2"}}
-        assert all(torch.equal(y[k], here[k]) for k in y)
-        print("PIDS", *pids.values())
-    """), tmp_path)
+    out = _coordinate(a, "four_workers", json.dumps(ports), tmp_path=tmp_path)
     moved = {h.name: {k: h.counters()[k] - before[h.name][k] for k in ("rx", "tx")}
              for h in (a, b, c)}
     value = 16 * MB
@@ -189,12 +153,8 @@ def test_a_worker_host_cut_off_mid_run_is_a_worker_error_and_nothing_stays_runni
     daemon = _daemon(b, "gpu", 7000, tmp_path)
     pid_file = tmp_path / "sleepy.pid"
     # the node sleeps 1 s and the call may take 3: only the cut makes it fail
-    coordinator = a.popen(_script(a, f"""
-        g = Graph.somatize(Body().at("gpu") >> Sleepy({str(pid_file)!r}, 1).at("gpu") >> Head())
-        msg, _ = worker_error(g, x, workers={{"gpu": Worker.at("{b.addr}:7000", timeout=3)}})
-        print("AT", time.time(), "MSG", msg, flush=True)
-        g.close()
-    """, tmp_path, "cut.py"), env=env(), cwd=tmp_path, stdout=subprocess.PIPE,
+    coordinator = a.popen(_script(a, "cut_off", pid_file, f"{b.addr}:7000"), env=env(),
+                          cwd=tmp_path, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     while not pid_file.exists():
@@ -214,13 +174,7 @@ def test_a_worker_host_cut_off_mid_run_is_a_worker_error_and_nothing_stays_runni
     assert "worker 'gpu'" in msg, msg
     assert hosts.running() == {"b": [daemon[0].pid]}  # the coordinator and its worker: gone
     b.up()  # and the daemon serves the next run
-    out = _coordinate(a, f"""
-        here = Graph.somatize(Body() >> Head()).forward(x)
-        with Graph.somatize(Body().at("gpu") >> Head()) as g:
-            y = g.forward(x, workers={{"gpu": Worker.at("{b.addr}:7000", timeout=30)}})
-        assert torch.equal(y, here)
-        print("EQUAL")
-    """, tmp_path, "again.py")
+    out = _coordinate(a, "host_again", f"{b.addr}:7000", tmp_path=tmp_path)
     assert "EQUAL" in out
     _stop(daemon)
     assert hosts.running() == {}

@@ -8,7 +8,7 @@ import pickle
 
 import torch
 import torch.nn.functional as F
-from split_nodes import Body, Head, batches, same, twins, weights
+from models import Body, Head, batches, same, twins, weights
 
 import somatize
 from somatize import Ctx, Done, Graph, Node, Opaque, stages
@@ -38,7 +38,7 @@ def test_split_stands_in_two_positions_and_nobody_downstream_is_told():
         def forward(self, x, ctx):
             return Done(sorted(x))  # the fan-in dict, keyed by the producers' ids
 
-    g = Graph.somatize((Body() | Head(8)) >> Both())
+    g = Graph.somatize((Body(seed=None) | Head(None, 8)) >> Both())
     trains = {"body": Split(torch.optim.SGD, lr=0.1)}
     a = around(g, trains)
     before, inside = Position("body", IN), Position("body", COMPUTES)
@@ -49,17 +49,27 @@ def test_split_stands_in_two_positions_and_nobody_downstream_is_told():
 
 
 def test_split_builds_its_optimizer_at_first_use_from_a_factory_that_pickles():
+    built = []
+
+    class Counted(torch.optim.SGD):
+        def __init__(self, *args, **kw):
+            built.append(1)
+            super().__init__(*args, **kw)
+
+    counted = Split(Counted, lr=0.1)
+    assert built == []  # never in __init__
+    counted.node = Body(seed=None)
+    assert counted.optimizer is counted.optimizer and built == [1]  # at first use, once
     s = Split(torch.optim.SGD, lr=0.1, momentum=0.9)
-    assert s._optimizer is None  # never in __init__
     assert isinstance(s.factory, functools.partial) and pickle.loads(pickle.dumps(s.factory))
-    body = Body()
+    body = Body(seed=None)
     s.node = body
     assert s.optimizer.param_groups[0]["params"][0] is body.lin.weight
     assert s.optimizer.defaults["momentum"] == 0.9
 
 
 def test_a_pickled_trained_graph_keeps_one_object_in_two_positions_and_trains_after_it():
-    whole, split = twins(lambda: Body() >> Head())
+    whole, split = twins(lambda: Body(seed=None) >> Head(seed=None))
     trains = {"body": Split(torch.optim.SGD, lr=0.1)}
     t = Trainer(split, F.cross_entropy, torch.optim.SGD(parameters(split, without=trains),
                                                         lr=0.1), trains=trains)
@@ -78,7 +88,7 @@ def test_a_pickled_trained_graph_keeps_one_object_in_two_positions_and_trains_af
 
 
 def test_learn_receives_dl_dy_and_gives_back_dl_dx():
-    body = Body()
+    body = Body(seed=None)
     s = Split(torch.optim.SGD, lr=0.0)
     s.node = body
     s.feeds_back = True
@@ -92,7 +102,7 @@ def test_learn_receives_dl_dy_and_gives_back_dl_dx():
 
 
 def test_an_envelope_carrying_nothing_leaves_the_weights_where_they_were():
-    body = Body()
+    body = Body(seed=None)
     s = Split(torch.optim.SGD, lr=0.1)
     s.node = body
     before = [p.detach().clone() for p in body.parameters()]
@@ -110,7 +120,7 @@ def test_a_trained_node_sees_its_own_id_in_ctx_not_its_position():
             seen.append(ctx.node)
             return super().forward(x, ctx)
 
-    g = Graph.somatize(Watched().named("body") >> Head())
+    g = Graph.somatize(Watched(seed=None).named("body") >> Head(seed=None))
     trains = {"body": Split(torch.optim.SGD, lr=0.1)}
     Trainer(g, F.cross_entropy, torch.optim.SGD(parameters(g, without=trains), lr=0.1),
             trains=trains).step(batches(1)[0])
@@ -119,8 +129,8 @@ def test_a_trained_node_sees_its_own_id_in_ctx_not_its_position():
 
 def test_an_accumulating_split_learns_twice_and_steps_once_on_the_summed_gradient():
     torch.manual_seed(0)
-    body = Body()
-    oracle = Body()
+    body = Body(seed=None)
+    oracle = Body(seed=None)
     oracle.lin.load_state_dict(body.lin.state_dict())
     s = Split(torch.optim.SGD, lr=0.1, momentum=0.9)
     s.node, s.accumulates = body, True

@@ -1,19 +1,17 @@
 """Nothing wrong, nothing leaked: a lost worker is named on every later call, a node that
 never leaves here need not pickle, and Ctrl-C stops a run at once, leaving no process.
-The coordinators are functions of ``remote_scripts``, each run in a process of its own."""
+The coordinators are functions of tests/remote_scripts.py, each run in a process of its
+own."""
 
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 from models import Body, Head, Holding
-from remote_run import env, no_worker_left
+from remote_run import no_worker_left, said, start
 
 from somatize import Graph, Refused
 from somatize.remote import runtime_for
@@ -21,26 +19,8 @@ from somatize.remote._group import group
 from somatize.torch import Split, Trainer, parameters
 
 
-def start(call: str, cwd) -> subprocess.Popen:
-    """``remote_scripts.<call>`` in a coordinator process of its own."""
-    return subprocess.Popen([sys.executable, "-c", f"import remote_scripts; remote_scripts.{call}"],
-                            cwd=cwd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-
-
-def said(call: str, cwd, timeout: float = 120) -> dict:
-    """Run ``remote_scripts.<call>`` to its end; everything it said, in one dict."""
-    proc = start(call, cwd)
-    out, err = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, f"rc={proc.returncode}\n{out}\n{err[-4000:]}"
-    got: dict = {}
-    for line in out.splitlines():
-        got.update(json.loads(line))
-    return got
-
-
 def test_every_call_to_a_lost_worker_raises_worker_error_naming_it(tmp_path):
-    got = said("lost_worker()", tmp_path)
+    got = said("lost_worker", cwd=tmp_path)
     assert got["during"]["error"] == "WorkerError", got
     assert "was lost while running" in got["during"]["message"], got
     for call in ("forward", "call", "provision"):  # not RuntimeError: unknown destination
@@ -53,7 +33,7 @@ def test_every_call_to_a_lost_worker_raises_worker_error_naming_it(tmp_path):
 
 
 def test_a_worker_lost_between_two_runs_is_named_on_every_later_one(tmp_path):
-    got = said("lost_while_idle()", tmp_path)
+    got = said("lost_while_idle", cwd=tmp_path)
     for e in (got["first"], got["second"]):
         assert e["error"] == "WorkerError" and "worker 'gpu'" in e["message"], e
         assert "state over there is gone" in e["message"], e
@@ -61,7 +41,7 @@ def test_a_worker_lost_between_two_runs_is_named_on_every_later_one(tmp_path):
 
 
 def test_a_node_that_does_not_pickle_runs_here_beside_a_placed_one(tmp_path):
-    got = said("unpicklable_here()", tmp_path)
+    got = said("unpicklable_here", cwd=tmp_path)
     assert got["forward"] is True and got["losses"] is True and got["weights"] is True, got
     # the trainer travelled with its node, one object in both its positions; the rest
     # of the catalog stands there by id and kind alone
@@ -98,7 +78,7 @@ def _interrupt(tmp_path, where: str) -> tuple[float, str, int]:
     """Start ``interrupted(where)``, SIGINT it once its remote node sleeps; answer the
     seconds it took to exit, its stderr and the worker's pid."""
     pid_file = tmp_path / "pid.txt"
-    proc = start(f"interrupted({where!r}, {str(pid_file)!r})", tmp_path)
+    proc = start("interrupted", where, pid_file, cwd=tmp_path)
     try:
         deadline = time.monotonic() + 90
         while not pid_file.exists():

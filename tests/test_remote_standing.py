@@ -35,16 +35,9 @@ def test_the_seeds_graph_on_a_standing_worker_equals_one_process(tmp_path):
         text=True)
     try:
         assert _listening(port, time.monotonic() + 30), "the daemon never listened"
-        run = f"""
-            here = Graph.somatize(Body() >> Head()).forward(x)
-            w = {{"gpu": Worker.at("127.0.0.1:{port}", timeout=30)}}
-            with Graph.somatize(Body().at("gpu") >> Head()) as g:
-                assert torch.equal(g.forward(x, workers=w), here)
-                assert torch.equal(g.forward(x, workers=w), here)
-                print("PID", runtime_for(g).peers["gpu"].pid)
-        """
-        first = coordinate(run, tmp_path, name="first.py")
-        second = coordinate(run, tmp_path, name="second.py")  # a fresh process per run
+        # a fresh process per run
+        first = coordinate("standing", f"127.0.0.1:{port}", cwd=tmp_path)
+        second = coordinate("standing", f"127.0.0.1:{port}", cwd=tmp_path)
         pids = [first.split("PID")[1].split()[0], second.split("PID")[1].split()[0]]
         assert pids[0] != pids[1]
         deadline = time.monotonic() + 30
@@ -60,13 +53,7 @@ def test_the_seeds_graph_on_a_standing_worker_equals_one_process(tmp_path):
 
 
 def test_a_standing_worker_nobody_listens_for_is_a_clear_error(tmp_path):
-    out = coordinate(f"""
-        g = Graph.somatize(Body().at("gpu") >> Head())
-        try:
-            g.forward(x, workers={{"gpu": Worker.at("127.0.0.1:{_free_port()}")}})
-        except WorkerError as e:
-            print(e)
-    """, tmp_path)
+    out = coordinate("nobody_standing", f"127.0.0.1:{_free_port()}", cwd=tmp_path)
     assert "no standing worker answered" in out and "python -m somatize.worker" in out
 
 

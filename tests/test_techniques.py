@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from split_nodes import Body, Head, Pre, batches, same
+from models import Body, Head, Pre, batches, same
 from torch import nn
 
 from somatize import Graph, Learning, NoGradient
@@ -29,7 +29,7 @@ class Detached(Head):
 @pytest.mark.parametrize("head, moves", [(Head, True), (Detached, False)])
 def test_split_learning_moves_the_far_half_only_when_gradients_come_back(head, moves):
     torch.manual_seed(0)
-    g = Graph.somatize(Body() >> head().named("head"))
+    g = Graph.somatize(Body(seed=None) >> head(seed=None).named("head"))
     trains = {"body": Split(sgd)}
     t = Trainer(g, F.cross_entropy, sgd(parameters(g, without=trains)), trains=trains)
     before = t.state_dict()["nodes"]
@@ -68,13 +68,13 @@ class Greedy(Learning):
 def test_local_greedy_learns_on_its_own_and_what_is_above_gets_no_gradient():
     torch.manual_seed(0)
     greedy = Greedy()
-    g = Graph.somatize(Body() >> Head())
+    g = Graph.somatize(Body(seed=None) >> Head(seed=None))
     t = Trainer(g, F.cross_entropy, sgd(parameters(g, without=["body"])),
                 trains={"body": greedy})
     t.fit(batches(1) * 30, progress=False)
     assert greedy.losses[-1] < 0.8 * greedy.losses[0]
     # the control: with something trained above it, that something is an orphan
-    above = Graph.somatize(Pre() >> Body() >> Head())
+    above = Graph.somatize(Pre() >> Body(seed=None) >> Head(seed=None))
     t = Trainer(above, F.cross_entropy, sgd(parameters(above, without=["body"])),
                 trains={"body": Greedy()})
     with pytest.raises(NoGradient, match=r"\['pre'\]"):
@@ -122,7 +122,7 @@ def positive_and_negative(n=8, seed=0):
 @pytest.mark.parametrize("lr", [0.1, 0.0])
 def test_forward_forward_separates_positive_from_negative_only_with_a_rate(lr):
     torch.manual_seed(0)
-    g = Graph.somatize(Body() >> Head())
+    g = Graph.somatize(Body(seed=None) >> Head(seed=None))
     data = positive_and_negative()
     probe = positive_and_negative(1, seed=1)[0][0]  # data it was not trained on
     start = separation(g["body"], probe)
@@ -171,7 +171,7 @@ class Synthetic(Split):
 @pytest.mark.parametrize("guesser_lr", [3e-4, 0.0])
 def test_synthetic_gradients_get_closer_and_a_frozen_guesser_is_exactly_1_every_step(guesser_lr):
     torch.manual_seed(0)
-    g = Graph.somatize(Body() >> Head())
+    g = Graph.somatize(Body(seed=None) >> Head(seed=None))
     trainer = Synthetic(guesser_lr)
     t = Trainer(g, F.cross_entropy, sgd(parameters(g, without=["body"]), lr=0.01),
                 trains={"body": trainer})

@@ -8,7 +8,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from split_nodes import Body, Head, Mute, Pre, batches, same, twins, weights
+from models import Body, Head, Mute, Pre, batches, same, twins, weights
 from torch import nn
 
 from somatize import Done, Graph, Node, NoGradient, Opaque, Refused, stages
@@ -29,14 +29,14 @@ def whole_and_split(build, trains, steps=10):
 
 def test_a_cut_graph_trains_to_the_same_numbers_as_the_whole_one_weights_included():
     trains = {"body": Split(torch.optim.SGD, lr=0.1, momentum=0.9)}
-    la, lb, a, b = whole_and_split(lambda: Pre() >> Body() >> Head(), trains)
+    la, lb, a, b = whole_and_split(lambda: Pre() >> Body(seed=None) >> Head(seed=None), trains)
     assert la == lb
     assert same(a.state_dict()["nodes"], b.state_dict()["nodes"])
     assert same(weights(a.graph), weights(b.graph))  # in this process, the objects themselves
 
 
 def test_the_hand_written_loop_and_trainer_step_give_the_same_losses():
-    mine, theirs = twins(lambda: Pre() >> Body() >> Head())
+    mine, theirs = twins(lambda: Pre() >> Body(seed=None) >> Head(seed=None))
     pre, body, head = (mine[n].lin for n in ("pre", "body", "head"))
     opt = SGD([*pre.parameters(), *body.parameters(), *head.parameters()])
     by_hand = []
@@ -73,7 +73,7 @@ def seen_by_objective(outs: list):
 
 
 def test_it_is_driven_in_stages_only_when_something_is_trained_where_it_runs():
-    g = Graph.somatize(Pre() >> Body() >> Head())
+    g = Graph.somatize(Pre() >> Body(seed=None) >> Head(seed=None))
     outs = []
     Trainer(g, seen_by_objective(outs), SGD(parameters(g))).step(batches(1)[0])
     assert reaches(outs[0], g["pre"].lin.weight)  # one autograd graph: no trainer anywhere
@@ -87,7 +87,7 @@ def test_it_is_driven_in_stages_only_when_something_is_trained_where_it_runs():
 
 
 def test_a_lone_trained_node_is_one_stage_and_still_learns_through_its_transpose():
-    g1, g2 = twins(lambda: Body(8, 3))
+    g1, g2 = twins(lambda: Body(None, 8, 3))
     trains = {"body": Split(torch.optim.SGD, lr=0.1)}
     assert stages(g2, trains) == [{"body"}]
     la = Trainer(g1, F.cross_entropy, torch.optim.SGD(parameters(g1), lr=0.1)).fit(
@@ -99,7 +99,7 @@ def test_a_lone_trained_node_is_one_stage_and_still_learns_through_its_transpose
 def test_what_is_above_a_trained_node_gets_its_gradient_through_it_and_nobody_stands_still():
     trains = {"body": Split(torch.optim.SGD, lr=0.1, momentum=0.9)}
     before = None
-    whole, split = twins(lambda: Pre() >> Body() >> Head())
+    whole, split = twins(lambda: Pre() >> Body(seed=None) >> Head(seed=None))
     before = weights(split)
     t = Trainer(split, F.cross_entropy, SGD(parameters(split, without=trains)), trains=trains)
     t.fit(batches(3), progress=False)
@@ -112,7 +112,7 @@ def test_what_is_above_a_trained_node_gets_its_gradient_through_it_and_nobody_st
 
 def test_a_graph_where_everything_is_trained_elsewhere_takes_no_optimizer_here():
     trains = {n: Split(torch.optim.SGD, lr=0.1, momentum=0.9) for n in ("pre", "body", "head")}
-    la, lb, a, b = whole_and_split(lambda: Pre() >> Body() >> Head(), trains)
+    la, lb, a, b = whole_and_split(lambda: Pre() >> Body(seed=None) >> Head(seed=None), trains)
     assert b.optimizer is None
     assert la == lb and same(weights(a.graph), weights(b.graph))
 
@@ -129,12 +129,13 @@ def test_two_trainers_side_by_side_feeding_a_fan_in_match_the_whole_net():
             return list(self.lin.parameters())
 
     trains = {n: Split(torch.optim.SGD, lr=0.1, momentum=0.9) for n in ("body", "body_2")}
-    la, lb, a, b = whole_and_split(lambda: Pre() >> (Body() | Body()) >> Join(), trains)
+    la, lb, a, b = whole_and_split(
+        lambda: Pre() >> (Body(seed=None) | Body(seed=None)) >> Join(), trains)
     assert la == lb and same(weights(a.graph), weights(b.graph))
 
 
 def test_stop_and_resume_through_state_dict_reproduces_the_uninterrupted_run():
-    build = lambda: Pre() >> Body() >> Head()  # noqa: E731
+    build = lambda: Pre() >> Body(seed=None) >> Head(seed=None)  # noqa: E731
     data = batches(10)
     g1, g2 = twins(build)
     _, g3 = twins(build)
@@ -161,7 +162,7 @@ def test_local_parameters_with_no_gradient_raise_no_gradient_naming_them():
             super().learn(signal, ctx)
             return None
 
-    g = Graph.somatize(Pre() >> Body() >> Head())
+    g = Graph.somatize(Pre() >> Body(seed=None) >> Head(seed=None))
     trains = {"body": Keeps(torch.optim.SGD, lr=0.1)}
     t = Trainer(g, F.cross_entropy, SGD(parameters(g, without=trains)), trains=trains)
     with pytest.raises(NoGradient, match="'pre'") as e:
@@ -176,45 +177,45 @@ def split():
 
 
 def test_cached_after_a_cut_is_refused():
-    g = Graph.somatize(Body() >> Pre(8 - 2).frozen().cached())
+    g = Graph.somatize(Body(seed=None) >> Pre(8 - 2).frozen().cached())
     freeze(g)
     with pytest.raises(Refused, match=r"\['pre'\].*after a cut"):
         Trainer(g, F.mse_loss, trains={"body": split()})
 
 
 def test_trains_naming_somebody_who_is_not_there_is_refused():
-    g = Graph.somatize(Body() >> Head())
+    g = Graph.somatize(Body(seed=None) >> Head(seed=None))
     with pytest.raises(Refused, match=r"\['bodyy'\].*'body', 'head'"):
         Trainer(g, F.cross_entropy, trains={"bodyy": split()})
 
 
 def test_settled_and_trained_is_refused():
-    g = Graph.somatize(Body().frozen() >> Head())
+    g = Graph.somatize(Body(seed=None).frozen() >> Head(seed=None))
     with pytest.raises(Refused, match="'body' is declared .frozen.. and trained"):
         Trainer(g, F.cross_entropy, trains={"body": split()})
 
 
 def test_a_trained_node_that_does_not_say_its_parameters_is_refused():
-    g = Graph.somatize(Mute() >> Body())
+    g = Graph.somatize(Mute() >> Body(seed=None))
     with pytest.raises(Refused, match="'mute' .Mute. is trained but does not say"):
         Trainer(g, F.cross_entropy, trains={"mute": split()})
 
 
 def test_the_same_weights_in_the_local_optimizer_and_a_trainer_are_refused():
-    g = Graph.somatize(Body() >> Head())
+    g = Graph.somatize(Body(seed=None) >> Head(seed=None))
     with pytest.raises(Refused, match=r"holds weights of \['body'\].*without=trains"):
         Trainer(g, F.cross_entropy, SGD(parameters(g)), trains={"body": split()})
 
 
 def test_a_trained_node_with_two_producers_is_refused():
-    g = Graph.somatize((Body() | Body()) >> Pre(6))
+    g = Graph.somatize((Body(seed=None) | Body(seed=None)) >> Pre(6))
     with pytest.raises(Refused, match=r"'pre' is trained and has two producers"
                        r" \['body', 'body_2'\]"):
         Trainer(g, F.mse_loss, trains={"pre": split()})
 
 
 def test_one_trainer_object_for_two_nodes_is_refused():
-    g = Graph.somatize(Body() >> Head())
+    g = Graph.somatize(Body(seed=None) >> Head(seed=None))
     s = split()
     with pytest.raises(Refused, match="both 'body' and 'head'"):
         Trainer(g, F.cross_entropy, trains={"body": s, "head": s})
@@ -238,7 +239,7 @@ class Encoder(Node):
 
 def test_a_store_settles_what_is_frozen_and_keeps_what_is_cached(tmp_path):
     Encoder.runs = 0
-    g = Graph.somatize(Encoder().frozen().cached() >> Body() >> Head())
+    g = Graph.somatize(Encoder().frozen().cached() >> Body(seed=None) >> Head(seed=None))
     head_here = parameters(g, without={"encoder"})
     t = Trainer(g, F.cross_entropy, SGD(head_here), store=tmp_path)
     assert g["encoder"]._soma_digest is not None  # settled when the trainer was built
@@ -255,7 +256,7 @@ def test_a_store_settles_what_is_frozen_and_keeps_what_is_cached(tmp_path):
 
 
 def test_fit_returns_every_loss_and_with_closes(caplog):
-    g = Graph.somatize(Body() >> Head())
+    g = Graph.somatize(Body(seed=None) >> Head(seed=None))
     with Trainer(g, F.cross_entropy, SGD(parameters(g))) as t, caplog.at_level("INFO"):
         losses = t.fit(batches(4), epochs=2, progress=False)
     assert len(losses) == 8 and all(isinstance(x, float) for x in losses)
@@ -263,7 +264,7 @@ def test_fit_returns_every_loss_and_with_closes(caplog):
 
 
 def test_fit_shows_a_progress_bar_with_the_running_loss_and_a_flag_turns_it_off(capsys):
-    g = Graph.somatize(Body() >> Head())
+    g = Graph.somatize(Body(seed=None) >> Head(seed=None))
     t = Trainer(g, F.cross_entropy, SGD(parameters(g)))
     losses = t.fit(batches(3), epochs=1)
     shown = capsys.readouterr().err
@@ -274,7 +275,7 @@ def test_fit_shows_a_progress_bar_with_the_running_loss_and_a_flag_turns_it_off(
 
 
 def test_the_objectives_own_backward_goes_on_through_the_last_stage():
-    g = Graph.somatize(Pre() >> Body() >> Head())
+    g = Graph.somatize(Pre() >> Body(seed=None) >> Head(seed=None))
     trains = {"body": Split(torch.optim.SGD, lr=0.1)}
     outs = []
     t = Trainer(g, seen_by_objective(outs), SGD(parameters(g, without=trains)), trains=trains)
