@@ -25,8 +25,10 @@ bytes against its name, its header and structure (a store may be shared, and a b
 crafted to hash right must not hand out memory it does not hold), the name file too.
 What fails is a miss, said on stderr, never a wrong value. What was read and checked
 is held in memory (256 MB at most, small blobs only) and served again from there,
-since a blob never changes. Every tensor read back starts 64-byte aligned (see
-``somatize._packing``): a cached value never changes a number computed from it.
+since a blob never changes; a bigger blob's file is not hashed again while its stat
+identity is the one checked (``_recent``: bit rot under it is ``store verify``'s). Every
+tensor read back starts 64-byte aligned (see ``somatize._packing``): a cached value never
+changes a number computed from it.
 
 That check on every read is also why no fsync is the default: after a power cut a
 blob that did not reach the disk reads as a miss and is recomputed (a killed process

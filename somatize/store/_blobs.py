@@ -20,9 +20,11 @@ MAP_FROM = 1 << 20  # bytes from which a blob is mapped (copy-on-write) rather t
 _HASH_THREADS_FROM = 1 << 20  # BLAKE3 uses every core from here on; below, threads cost more
 
 
-def read_whole(f) -> memoryview | mmap.mmap:
-    """The whole of an open blob file, in a private buffer the caller may write into."""
-    n = os.fstat(f.fileno()).st_size
+def read_whole(f, n: int | None = None) -> memoryview | mmap.mmap:
+    """The whole of an open blob file (``n`` bytes, its size), in a private buffer the
+    caller may write into."""
+    if n is None:
+        n = os.fstat(f.fileno()).st_size
     if n < MAP_FROM:
         buf = aligned(n)
         got = f.readinto(buf)

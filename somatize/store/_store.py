@@ -31,7 +31,7 @@ from .._say import say_once
 from ._blobs import digest, hasher, read_whole
 from ._entry import Entry, check_meta, check_name, parse_entry
 from ._lock import Lock
-from ._recent import recent
+from ._recent import checked, recent
 
 log = logging.getLogger("somatize.store")
 
@@ -176,7 +176,8 @@ class Store:
         path = self._blob_file(entry.blob)
         try:
             with open(path, "rb") as f:
-                buf = read_whole(f)
+                st = os.fstat(f.fileno())  # of the file read, not of whatever the path names later
+                buf = read_whole(f, st.st_size)
         except FileNotFoundError:
             say_once(("store missing blob", entry.blob),
                      f"store {self.path}: {entry.name} points at blob {entry.blob[:16]} "
@@ -186,11 +187,14 @@ class Store:
         except OSError as e:
             self._unreadable(path, e)
             return None
-        if digest(buf) != entry.blob:
-            why = "its bytes do not match its name (corrupted)" if len(buf) == entry.size \
-                else f"{len(buf)} bytes instead of {entry.size} (truncated?)"
-            self._damaged(entry.blob, why, entry.name)
-            return None
+        # a file checked whole before, its stat unchanged, is not hashed again (see _recent)
+        if not checked.same(key, st):
+            if digest(buf) != entry.blob:
+                why = "its bytes do not match its name (corrupted)" if len(buf) == entry.size \
+                    else f"{len(buf)} bytes instead of {entry.size} (truncated?)"
+                self._damaged(entry.blob, why, entry.name)
+                return None
+            checked.note(key, st)
         if not self._sized(entry, len(buf)):
             return None
         if isinstance(buf, memoryview):  # read whole, not mapped: small enough to hold
@@ -220,6 +224,7 @@ class Store:
     def _damaged(self, blob: str, why: str, name: str) -> None:
         # moved aside (a rename: whoever maps it keeps reading), so the next put rewrites it
         recent.drop((self._root, blob))
+        checked.drop((self._root, blob))
         aside = self.path / "damaged"
         try:
             aside.mkdir(exist_ok=True)
