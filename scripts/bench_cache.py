@@ -1,6 +1,6 @@
 """What caching costs and saves, measured side by side in one run (medians of repeats).
 
-    OMP_WAIT_POLICY=PASSIVE python scripts/bench_cache.py     # ~1-2 minutes on 2 cores
+    OMP_WAIT_POLICY=PASSIVE python scripts/bench_cache.py     # ~15-30 s on 2 cores
     python scripts/bench_cache.py --quick                      # fewer repeats
 
 1. Reading a kept 64 MB value and summing it, against ``safetensors.torch.load_file`` and
