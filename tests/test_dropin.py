@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from models import same
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(ROOT, "tests", "dropin_runs.py")
@@ -35,16 +36,6 @@ def ran(tmp_path_factory):
     cases = ORACLES + [f"precision:{p}" for p in PRECISIONS] + ["chosen", "devices", "stale"]
     run(where, "many", *cases, timeout=900)
     return lambda case: torch.load(where / f"{case.replace(':', '-')}.pt", weights_only=False)
-
-
-def same(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return a == b
 
 
 @pytest.mark.parametrize("case,placed,calls_per_step", [
