@@ -146,7 +146,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
         and stop when nobody uses them, or at exit)."""
         runs, self.runs = self.runs, {}
         for name, run in runs.items():
-            self._graph_modules.get(name, _Nobody).runner = None
+            self._graph_modules[name].runner = None  # its own forward again
             run.close()
 
     # -- setup ------------------------------------------------------------------------
@@ -265,7 +265,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
             try:
                 self.dropin.sync()
             except WorkerError as e:
-                self._lose(e)
+                raise self._lose(e) from None
 
     def _trains(self, model: pl.LightningModule, trainer: pl.Trainer) -> dict[str, Learning]:
         """What trains each placed node; those nodes' parameters are taken out of
@@ -374,19 +374,22 @@ class SomatizeStrategy(SingleDeviceStrategy):
         try:
             return {name: run.pull() for name, run in self.runs.items() if run.trains}
         except WorkerError as e:
-            self._lose(e)
-            raise AssertionError("unreachable") from None
+            raise self._lose(e) from None
 
-    def _lose(self, e: WorkerError) -> None:
+    def _lose(self, e: WorkerError) -> WorkerError:
+        """Remember that trained state was lost with a worker; the error that says so."""
         self._broken, self._lost = True, str(e).splitlines()[0]
-        self._refuse_lost()
+        return self._lost_error()
 
     def _refuse_lost(self) -> None:
         if self._lost:
-            raise WorkerError(
-                f"no checkpoint is written: the weights and optimizer state trained over there "
-                f"were lost with their worker ({self._lost}), and the copy here is stale. The "
-                "last checkpoint written is the point to resume from: fit(ckpt_path=...)")
+            raise self._lost_error()
+
+    def _lost_error(self) -> WorkerError:
+        return WorkerError(
+            f"no checkpoint is written: the weights and optimizer state trained over there "
+            f"were lost with their worker ({self._lost}), and the copy here is stale. The "
+            "last checkpoint written is the point to resume from: fit(ckpt_path=...)")
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -443,7 +446,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
                 self.dropin.settle()
             self._tracer.write()
         for name, run in self.runs.items():
-            self._graph_modules.get(name, _Nobody).runner = None
+            self._graph_modules[name].runner = None  # its own forward again
             run.discard()
         if self.dropin is not None:
             self._placed_ran = self.dropin.where()  # still readable after fit
@@ -481,10 +484,6 @@ class _EpochEnd(pl.Callback):
                                 "somatize/bytes_sent": float(sent),
                                 "somatize/bytes_received": float(received)},
                                on_step=False, on_epoch=True)
-
-
-class _Nobody:
-    runner = None
 
 
 def _runner(step: Step) -> Callable[..., Any]:
