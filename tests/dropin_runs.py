@@ -137,6 +137,27 @@ class Siamese(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class Many(pl.LightningModule):
+    """One encoder called six times per step, none of its inputs asking for a gradient:
+    six backwards in flight over there at once, whose gradients must add up in the order
+    one piece adds them."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 8))
+        self.head = nn.Linear(8, 10)
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        h = sum(self.encoder(x * (k + 1) / 6) * (k + 1) for k in range(6)) / 21
+        loss = F.mse_loss(self.head(h), x[:, :10])
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+
 class Losses(pl.Callback):
     def __init__(self):
         self.losses = []
@@ -182,6 +203,10 @@ def manual(out):
 
 def siamese(out):
     both(Siamese, {"encoder": "worker"}, out, digits(), max_epochs=1)
+
+
+def many_calls(out):
+    both(Many, {"encoder": "worker"}, out, digits(), max_epochs=2)
 
 
 def resume(out, first, then):

@@ -46,6 +46,8 @@ class Runtime:
         self.waited = 0.0
         self.ended = "it was closed"  # why it is closed, once it is
         self._lock = threading.Lock()
+        self._sending = threading.Lock()  # a ticket is numbered and sent in one go
+        self._tickets: dict[str, int] = {}  # per host: the next ordered call's number
         self._flying: dict[int, tuple[Peer, Any]] = {}  # calls sent, not yet read
         group().runtimes.add(self)
 
@@ -123,7 +125,8 @@ class Runtime:
         p = self.peers[stretch.host]
         what = f"running {', '.join(map(str, stretch.nodes))}"
         return _Pending(self, p, what,
-                        self._async(p, _serve_fn("run"), (self.session, stretch), what))
+                        self._async(p, _serve_fn("run"), (self.session, stretch), what,
+                                    ordered=True))
 
     def call(self, host: str, fn, *args: Any, **kw: Any) -> Any:
         """Run ``fn(live_graph, *args, **kw)`` on ``host``'s worker and return its result."""
@@ -136,8 +139,10 @@ class Runtime:
                               f"{list(self.peers)}")
         p = self.peers[host]
         name = getattr(fn, "__qualname__", type(fn).__name__)
-        return self._rpc(p, f"calling {name}", _serve_fn("call"),
-                         (self.session, dumps(fn), args, kw))
+        what = f"calling {name}"
+        return self._answer(p, what, self._async(p, _serve_fn("call"),
+                                                 (self.session, dumps(fn), args, kw), what,
+                                                 ordered=True))
 
     def call_async(self, host: str, fn, *args: Any) -> _Pending:
         """``call`` without waiting: ``.result()`` answers (or raises WorkerError)."""
@@ -146,7 +151,7 @@ class Runtime:
         p = self.peers[host]
         what = f"calling {getattr(fn, '__qualname__', type(fn).__name__)}"
         return _Pending(self, p, what, self._async(
-            p, _serve_fn("call"), (self.session, dumps(fn), args, {}), what))
+            p, _serve_fn("call"), (self.session, dumps(fn), args, {}), what, ordered=True))
 
     def close(self) -> None:
         """Close this run's sessions and stop the workers nobody else uses (idempotent).
@@ -194,7 +199,9 @@ class Runtime:
         self.close()
 
     # -- calls --------------------------------------------------------------------
-    def _async(self, p: Peer, fn, args: tuple, what: str):
+    def _async(self, p: Peer, fn, args: tuple, what: str, ordered: bool = False):
+        """Send ``fn(*args)`` to ``p``. ``ordered``: a run's stretch or call, numbered so
+        that the worker runs this session's calls in the order they were sent."""
         import torch.distributed.rpc as rpc
 
         if p.why_dead() is not None:
@@ -202,7 +209,10 @@ class Runtime:
         sent = bytes_of(args)
         self.sent += sent
         try:
-            with span(f"send to {p.host}: {what}", "transfer", bytes=sent):
+            with self._sending, span(f"send to {p.host}: {what}", "transfer", bytes=sent):
+                if ordered:
+                    args = (*args, self._tickets.get(p.host, 0))
+                    self._tickets[p.host] = args[-1] + 1
                 fut = rpc.rpc_async(p.name, fn, args=args, timeout=self.timeout[p.host])
         except Exception as e:  # raised at once: the agent no longer knows the worker
             raise self._failure(p, what, e) from None

@@ -113,17 +113,51 @@ def close(session: str) -> None:
     """Forget the session's graph (and every object that lived in it)."""
     with _lock:
         _sessions.pop(session, None)
+    with _turns:
+        _turn[session] = _CLOSED  # a call still waiting for its turn is answered, not run
+        _turns.notify_all()
 
 
-def run(session: str, stretch: Any) -> Any:
+def run(session: str, stretch: Any, ticket: int | None = None) -> Any:
     """Walk ``stretch`` over the session's graph; answer with what can travel."""
     with span(f"run {', '.join(map(str, stretch.nodes))}", "call"):
-        return _compute.submit(_run, session, stretch).result()
+        return _in_turn(session, ticket, _run, session, stretch)
 
 
-def call(session: str, fn_blob: bytes, args: tuple, kw: dict) -> Any:
+def call(session: str, fn_blob: bytes, args: tuple, kw: dict, ticket: int | None = None) -> Any:
     """Run ``fn(live_graph, *args, **kw)`` against the session's graph; answer its result."""
-    return _compute.submit(_call, session, fn_blob, args, kw).result()
+    return _in_turn(session, ticket, _call, session, fn_blob, args, kw)
+
+
+# A session's calls run in the order the coordinator sent them (its ticket numbers): each
+# arrives on its own RPC thread, and two threads may reach the compute thread in either
+# order. Two backwards in flight must not swap: a zero_grad riding with the first, or the
+# order their gradients add up in, would change the numbers.
+_turns = threading.Condition()
+_turn: dict[str, int] = {}  # session -> the ticket whose turn it is, or _CLOSED
+_CLOSED = -1
+_TURN_WAIT_S = 60.0
+
+
+def _in_turn(session: str, ticket: int | None, fn, *args: Any) -> Any:
+    if ticket is None:
+        return _compute.submit(fn, *args).result()
+    with _turns:
+        _turns.wait_for(lambda: _turn.get(session, 0) in (ticket, _CLOSED) or _stop.is_set(),
+                        timeout=_TURN_WAIT_S)
+        now = _turn.get(session, 0)
+        if now != ticket:
+            why = ("the session was closed" if now == _CLOSED
+                   else "this worker is stopping" if _stop.is_set()
+                   else f"call {now} before it never came within {_TURN_WAIT_S:g} s (the "
+                   "calls of a run must arrive in order)" if now < ticket
+                   else f"it came twice, or after call {now - 1}")
+            return Failed(None, "WorkerError", f"call {ticket} of session {session} was not "
+                          f"run: {why}. Close the run and start it again", "")
+        done = _compute.submit(fn, *args)  # the compute thread runs them in this order
+        _turn[session] = ticket + 1
+        _turns.notify_all()
+    return done.result()
 
 
 def clock() -> float:
