@@ -15,9 +15,10 @@ each fit's first epoch (batch 16 of scikit-learn's digits, 113 batches an epoch,
 validation); plain and split fits alternate ``--rounds`` times so both see the same
 machine. The overhead is split minus plain, in units of the bare round trip (the
 median of ``rpc_sync(worker, noop)`` at each timed epoch's end), each round against its
-own plain fit; the median over rounds is reported, with every round's. Also counted: the calls the
-strategy made to the worker per step, and what one such call costs with nothing in it
-(``runtime.call(worker, id)``: the function named, the session looked up).
+own plain fit; the median over rounds is reported, with every round's. Also counted: the
+messages the strategy sent the worker per step (a call and its backward), and what one
+call costs with nothing in it (``runtime.call(worker, id)``: the function named, the
+session looked up).
 """
 
 from __future__ import annotations
@@ -62,13 +63,16 @@ class Clock(pl.Callback):
     def on_train_start(self, trainer, pl_module):
         dropin = getattr(trainer.strategy, "dropin", None)
         if dropin is not None:  # count what the strategy asks of the worker
-            runtime, call = dropin.step.runtime, dropin.step.runtime.call
+            runtime = dropin.step.runtime
+            for name in ("call", "call_async"):  # every message, waited for or not
+                setattr(runtime, name, self._counting(getattr(runtime, name)))
 
-            def counted(*a, **kw):
-                self.calls += self._in_step  # not the syncs at epoch ends
-                return call(*a, **kw)
+    def _counting(self, send):
+        def counted(*a, **kw):
+            self.calls += self._in_step  # not the syncs at epoch ends
+            return send(*a, **kw)
 
-            runtime.call = counted
+        return counted
 
     def on_train_epoch_start(self, trainer, pl_module):
         self._last = None
@@ -267,7 +271,7 @@ def main() -> int:
     print(f"{'bare rpc_sync round trip':>34}: {rt:7.3f} ms")
     print(f"{'overhead':>34}: {s - p:7.3f} ms/step = {statistics.median(over):.2f} round trips "
           f"(median of the rounds: {', '.join(f'{o:.2f}' for o in over)}; target <= 1.5)")
-    print(f"{'calls to the worker':>34}: {calls / max(batches, 1):.2f} per step; an empty one "
+    print(f"{'messages to the worker':>34}: {calls / max(batches, 1):.2f} per step; an empty call "
           f"(runtime.call) costs {g:.3f} ms = {g / rt:.2f} round trips")
     return 0
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 import uuid
 import weakref
 from collections.abc import Mapping
@@ -141,7 +142,7 @@ class Runtime:
         name = getattr(fn, "__qualname__", type(fn).__name__)
         what = f"calling {name}"
         return self._answer(p, what, self._async(p, _serve_fn("call"),
-                                                 (self.session, dumps(fn), args, kw), what,
+                                                 (self.session, _code(fn), args, kw), what,
                                                  ordered=True))
 
     def call_async(self, host: str, fn, *args: Any) -> _Pending:
@@ -151,7 +152,7 @@ class Runtime:
         p = self.peers[host]
         what = f"calling {getattr(fn, '__qualname__', type(fn).__name__)}"
         return _Pending(self, p, what, self._async(
-            p, _serve_fn("call"), (self.session, dumps(fn), args, {}), what, ordered=True))
+            p, _serve_fn("call"), (self.session, _code(fn), args, {}), what, ordered=True))
 
     def close(self) -> None:
         """Close this run's sessions and stop the workers nobody else uses (idempotent).
@@ -303,6 +304,21 @@ def _raised_over_there(p: Peer, what: str, f: Failed) -> SomatizeError:
     return WorkerError(
         f"{at} raised {f.error} on worker {p.host!r}: {f.message}{trace}"
     )
+
+
+_codes: dict[Any, bytes] = {}
+
+
+def _code(fn) -> bytes:
+    """``fn`` pickled for a call; a module's own function (by reference, the same bytes
+    each time) only once."""
+    if isinstance(fn, types.FunctionType) and fn.__module__ != "__main__" \
+            and "<locals>" not in fn.__qualname__:
+        code = _codes.get(fn)
+        if code is None:
+            code = _codes[fn] = dumps(fn)
+        return code
+    return dumps(fn)
 
 
 def _serve_fn(name: str):

@@ -88,11 +88,14 @@ def bytes_of(value: Any) -> int:
     """The tensor bytes in what crosses (nested containers, outcomes and stretches too)."""
     import torch
 
+    tensor, plain = torch.Tensor, (str, bytes, int, float, bool, type(None))
     todo, total, seen = [value], 0, 0
     while todo and seen < 10000:  # bounded: a pathological structure is not walked whole
         v = todo.pop()
         seen += 1
-        if isinstance(v, torch.Tensor):
+        if isinstance(v, plain):
+            continue
+        if isinstance(v, tensor):
             total += v.nelement() * v.element_size()
         elif isinstance(v, dict):
             todo.extend(v.values())

@@ -379,8 +379,11 @@ class Link:
                 for g, need in zip(back, needs, strict=True) if need]
 
     def _rpc(self, fn: Any, *args: Any) -> Any:
+        # the worker runs calls in the order they were sent: this one goes at once, behind
+        # what is in flight, whose answers are read first (their errors first)
+        answer = self.step.runtime.call_async(self.host, fn, *args)
         self.settle()
-        return self.step.runtime.call(self.host, fn, *args)
+        return answer.result()
 
     def settle(self) -> None:
         """Wait for the backwards still in flight over there (in order)."""
