@@ -272,6 +272,37 @@ def stale(out):
     torch.save({"said": said, "seen": seen}, out)
 
 
+class FrozenEncoder(AutoEncoder):
+    """The autoencoder with its encoder frozen: only the decoder trains."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder.requires_grad_(False)
+
+
+def said(out):
+    """What the strategy logs about each placed module: a trained one and a frozen one."""
+    import logging
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("somatize")
+    logger.addHandler(keep := Keep())
+    logger.setLevel(logging.INFO)
+    got = {}
+    for name, make in (("trained", AutoEncoder), ("frozen", FrozenEncoder)):
+        lines.clear()
+        fit(make(), SomatizeStrategy(place={"encoder": "worker"}), digits(), max_steps=2,
+            limit_val_batches=0)
+        got[name] = [line for line in lines if line.startswith("module 'encoder'")]
+    logger.removeHandler(keep)
+    torch.save(got, out)
+
+
 class PlainAutoEncoder(AutoEncoder):
     """The autoencoder without dropout (the precision and clipping runs)."""
 

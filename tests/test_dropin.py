@@ -33,7 +33,8 @@ def ran(tmp_path_factory):
     """The oracle and precision runs, in one process (each run a pair of fits): a case's
     results by name, e.g. ran("transformer"), ran("precision:16")."""
     where = tmp_path_factory.mktemp("dropin")
-    cases = ORACLES + [f"precision:{p}" for p in PRECISIONS] + ["chosen", "devices", "stale"]
+    cases = ORACLES + [f"precision:{p}" for p in PRECISIONS] + ["chosen", "devices", "stale",
+                                                                 "said"]
     run(where, "many", *cases, timeout=900)
     return lambda case: torch.load(where / f"{case.replace(':', '-')}.pt", weights_only=False)
 
@@ -161,6 +162,14 @@ def test_more_than_one_device_is_refused_naming_devices():
     with pytest.raises(Refused, match=r"devices=2"):
         fit_here(AutoEncoder(), SomatizeStrategy(place={"encoder": "worker"}),
                  accelerator="cpu", devices=2)
+
+
+def test_the_log_says_whether_a_placed_module_trains_over_there(ran):
+    got = ran("said")
+    assert len(got["trained"]) == 1 and len(got["frozen"]) == 1
+    assert "runs and trains on worker 'worker'" in got["trained"][0]
+    assert "runs on worker 'worker'" in got["frozen"][0]
+    assert "does not train" in got["frozen"][0] and "trains on" not in got["frozen"][0]
 
 
 def test_a_strategy_that_places_nothing_says_so(caplog):

@@ -95,9 +95,20 @@ class DropIn:
             link.install()
         for path, m in self.modules.items():
             n = sum(p.numel() for p in m.parameters())
-            log.info("module %r (%s, %d parameters) runs and trains on worker %r; its weights "
-                     "here are brought up to date at epoch ends, checkpoints and sync()",
-                     path, type(m).__name__, n, place[path])
+            if self._trained(path):
+                log.info("module %r (%s, %d parameters) runs and trains on worker %r; its "
+                         "weights here are brought up to date at epoch ends, checkpoints and "
+                         "sync()", path, type(m).__name__, n, place[path])
+            else:
+                log.info("module %r (%s, %d parameters) runs on worker %r and does not "
+                         "train there: no optimizer here holds a parameter of it that "
+                         "requires grad",
+                         path, type(m).__name__, n, place[path])
+
+    def _trained(self, path: str) -> bool:
+        if not any(p.requires_grad for p in self.modules[path].parameters()):
+            return False
+        return path in self.chosen or any(p == path for _, p in self.groups)
 
     def _choose(self, path: str, trainer: Any, schedulers: list) -> None:
         # the user's own optimizer for a placed module (trains={path: Split(Adam, lr=...)}):
