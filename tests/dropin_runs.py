@@ -137,6 +137,63 @@ class Siamese(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class GAN(pl.LightningModule):
+    """Lightning's GAN recipe: manual optimization, ``toggle_optimizer`` around each
+    player's step (which sets requires_grad of the other's parameters), the generator's
+    output fed to the discriminator's loss without a detach."""
+
+    def __init__(self):
+        super().__init__()
+        self.automatic_optimization = False
+        self.generator = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 64))
+        self.discriminator = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 1))
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        real, fake = torch.ones(x.shape[0], 1), torch.zeros(x.shape[0], 1)
+        opt_g, opt_d = self.optimizers()
+        z = torch.randn(x.shape[0], 8)
+        self.toggle_optimizer(opt_g)
+        g_loss = F.binary_cross_entropy_with_logits(self.discriminator(self.generator(z)), real)
+        self.manual_backward(g_loss)
+        opt_g.step()
+        opt_g.zero_grad()
+        self.untoggle_optimizer(opt_g)
+        self.toggle_optimizer(opt_d)  # the generator's parameters stop asking for grads
+        d_loss = (F.binary_cross_entropy_with_logits(self.discriminator(x), real)
+                  + F.binary_cross_entropy_with_logits(
+                      self.discriminator(self.generator(z)), fake)) / 2
+        self.manual_backward(d_loss)
+        opt_d.step()
+        opt_d.zero_grad()
+        self.untoggle_optimizer(opt_d)
+        self.log("loss", g_loss + d_loss)
+        return (g_loss + d_loss).detach()
+
+    def configure_optimizers(self):
+        return (torch.optim.Adam(self.generator.parameters(), lr=2e-3, betas=(0.5, 0.999)),
+                torch.optim.Adam(self.discriminator.parameters(), lr=2e-3, betas=(0.5, 0.999)))
+
+
+class Finetuned(pl.LightningModule):
+    """A backbone frozen at the start and unfrozen at epoch 1 by Lightning's
+    ``BackboneFinetuning``, which adds its parameters to the optimizer as a new group."""
+
+    def __init__(self):
+        super().__init__()
+        self.backbone = nn.Sequential(nn.Linear(64, 32), nn.ReLU())
+        self.head = nn.Linear(32, 64)
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        loss = F.mse_loss(self.head(self.backbone(x)), x)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=1e-3)
+
+
 class Many(pl.LightningModule):
     """One encoder called six times per step, none of its inputs asking for a gradient:
     six backwards in flight over there at once, whose gradients must add up in the order
@@ -203,6 +260,24 @@ def manual(out):
 
 def siamese(out):
     both(Siamese, {"encoder": "worker"}, out, digits(), max_epochs=1)
+
+
+def gan(out):
+    both(GAN, {"generator": "worker"}, out, digits(), max_epochs=1)
+
+
+def finetune(out):
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    got = {}
+    for name, strategy in (("plain", lambda: "auto"),
+                           ("split", lambda: SomatizeStrategy(place={"backbone": "worker"}))):
+        pl.seed_everything(0)
+        s = strategy()
+        _, losses, weights = fit(Finetuned(), s, digits(), max_epochs=3,
+                                 callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
+        got[name] = (losses, weights)
+    torch.save({**got, "ran": s.where().get("", {}), "pid": os.getpid()}, out)
 
 
 def many_calls(out):

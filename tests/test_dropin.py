@@ -24,7 +24,7 @@ def run(tmp_path, *args, timeout=300):
     return torch.load(out, weights_only=False), done.stderr
 
 
-ORACLES = ["transformer", "autoencoder", "manual", "siamese", "many_calls"]
+ORACLES = ["transformer", "autoencoder", "manual", "siamese", "many_calls", "gan", "finetune"]
 PRECISIONS = ["bf16", "norm", "value", "bf16-norm", "16", "bf16-true"]
 
 
@@ -45,6 +45,8 @@ def ran(tmp_path_factory):
     ("manual", "encoder", 1),        # two optimizers stepped at different rates
     ("siamese", "encoder", 2),       # a dict of tensors, called twice per step
     ("many_calls", "encoder", 6),    # six backwards in flight over there at once
+    ("gan", "generator", 2),         # toggle_optimizer freezes the generator here
+    ("finetune", "backbone", 1),     # BackboneFinetuning adds a param group at epoch 1
 ])
 def test_a_placed_submodule_trains_over_there_to_plain_lightnings_numbers(
         ran, case, placed, calls_per_step):

@@ -76,17 +76,9 @@ class DropIn:
         self.chosen: dict[str, list[int]] = {}  # path -> the optimizers here its trainer follows
         for path, trainer in trains.items():
             self._choose(path, trainer, schedulers)
-        for i, opt in enumerate(self.optimizers):
-            for path, m in self.modules.items():
-                if path in self.chosen:
-                    continue  # trained by the user's choice, not a mirror
-                names = {id(p): n for n, p in m.named_parameters()}
-                groups = [(gi, [names[id(p)] for p in g["params"] if id(p) in names])
-                          for gi, g in enumerate(opt.param_groups)]
-                groups = [(gi, ns) for gi, ns in groups if ns]
-                if groups:
-                    self.groups[(i, path)] = groups
-                    self.links[path].mirror(i, opt, groups)
+        self._seen = [0] * len(self.optimizers)  # per optimizer here: its groups mirrored
+        for i in range(len(self.optimizers)):
+            self._follow(i)
         self._zero_grads(list(lightning_optimizers))
         self.skipped: set[int] = set()  # optimizers whose step the loss scaler skipped
         if precision is not None:
@@ -133,6 +125,29 @@ class DropIn:
         self.chosen[path] = holders or list(range(len(self.optimizers)))
         self.links[path].choose(factory)
 
+    def _follow(self, i: int) -> None:
+        """Mirror the groups of optimizer ``i`` not mirrored yet: all of them at the start,
+        then those added during fit (``add_param_group``: a finetuning callback unfreezing
+        a placed backbone)."""
+        opt = self.optimizers[i]
+        first, self._seen[i] = self._seen[i], len(opt.param_groups)
+        for path, m in self.modules.items():
+            if path in self.chosen:
+                continue  # trained by the user's choice, not a mirror
+            names = {id(p): n for n, p in m.named_parameters()}
+            groups = [(gi, [names[id(p)] for p in opt.param_groups[gi]["params"]
+                            if id(p) in names])
+                      for gi in range(first, len(opt.param_groups))]
+            groups = [(gi, ns) for gi, ns in groups if ns]
+            if not groups:
+                continue
+            if (i, path) in self.groups:
+                self.groups[(i, path)] += groups
+                self.links[path].grow(i, opt, groups)
+            else:
+                self.groups[(i, path)] = groups
+                self.links[path].mirror(i, opt, groups)
+
     def chosen_states(self) -> dict[str, Any]:
         """The chosen optimizers' states over there, by placed path."""
         return {p: self.links[p].chosen_state() for p in self.chosen}
@@ -147,16 +162,13 @@ class DropIn:
         # gradient left over there must be cleared when the user clears it here
         self._patched = []
         for i, opt in enumerate(self.optimizers):
-            paths = [p for (j, p) in self.groups if j == i]
-            paths += [p for p, led in self.chosen.items() if i in led]
-            if not paths:
-                continue
             for target in [opt, *[w for w in wrappers if getattr(w, "_optimizer", None) is opt]]:
                 original = target.zero_grad
 
-                def zero_grad(set_to_none: bool = True, _i=i, _original=original, _paths=paths):
+                def zero_grad(set_to_none: bool = True, _i=i, _original=original):
                     _original(set_to_none=set_to_none)
-                    for p in _paths:
+                    self._follow(_i)
+                    for p in self._trained_by(_i):
                         self.links[p].zeroed(_i, set_to_none)
 
                 target.zero_grad = zero_grad
@@ -262,6 +274,7 @@ class DropIn:
         if i in self.skipped:  # the loss scaler found inf or nan: nobody steps
             self.skipped.discard(i)
             return
+        self._follow(i)
         for (j, path), groups in self.groups.items():
             if j == i:
                 self.links[path].stepped(i, self.optimizers[i], groups)
@@ -334,6 +347,11 @@ class DropIn:
                 for attr in ("clip_grad_by_norm", "clip_grad_by_value", "unscale_", "step"):
                     target.__dict__.pop(attr, None)
             self.step.close()
+
+    def _trained_by(self, i: int) -> list[str]:
+        """The placed modules optimizer ``i`` here trains (by a mirror or the user's own)."""
+        return ([p for (j, p) in self.groups if j == i]
+                + [p for p, led in self.chosen.items() if i in led])
 
     def _index(self, optimizer: Any) -> int | None:
         raw = getattr(optimizer, "_optimizer", optimizer)

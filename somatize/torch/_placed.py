@@ -98,6 +98,13 @@ def _apply(placed: Placed, ops: list) -> None:
         elif op[0] == "modes":
             for m, mode in zip(placed.module.modules(), op[1], strict=True):
                 m.training = mode
+        elif op[0] == "requires_grad":  # toggle_optimizer, requires_grad_() here
+            for p, flag in zip(placed.module.parameters(), op[1], strict=True):
+                p.requires_grad_(flag)
+        elif op[0] == "add_group":
+            _, i, names, hyper = op
+            params = dict(placed.module.named_parameters())
+            placed.mirrors[i].add_param_group({**hyper, "params": [params[n] for n in names]})
         elif op[0] == "weights":
             _copy_into(placed.module, op[1])
         elif op[0] == "clip_mul":
@@ -303,6 +310,7 @@ class Link:
         self.calls = itertools.count()
         self.ops: list = []  # steps, zero_grads, modes, writes: sent with the next call
         self.modes: tuple | None = None
+        self.flags: tuple | None = None  # the parameters' requires_grad, as last sent
         self.versions: dict[str, int] = {}
         self.fitting = False
         self.chosen = False  # trained over there by the user's choice, not by mirrors
@@ -342,6 +350,10 @@ class Link:
         if modes != self.modes:
             self.ops.append(("modes", modes))
             self.modes = modes
+        flags = tuple(p.requires_grad for p in self.module.parameters())
+        if flags != self.flags:
+            self.ops.append(("requires_grad", flags))
+            self.flags = flags
         call = next(self.calls)
         ops, self.ops = self.ops, []
         autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
@@ -399,6 +411,11 @@ class Link:
         fn = functools.partial(_mirror, cls=type(optimizer), defaults=dict(optimizer.defaults),
                                device=self.device)
         self._rpc(fn, self.name, i, list(zip(names, hyper, strict=True)))
+
+    def grow(self, i: int, optimizer: torch.optim.Optimizer, groups: list) -> None:
+        """Groups added to optimizer ``i`` here: added to its mirror over there too."""
+        for g, names in groups:
+            self.ops.append(("add_group", i, names, _hyper(optimizer.param_groups[g])))
 
     def stepped(self, i: int, optimizer: torch.optim.Optimizer, groups: list) -> None:
         """Optimizer ``i`` stepped here: its mirror steps over there, with its groups'
