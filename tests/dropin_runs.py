@@ -194,6 +194,35 @@ class Finetuned(pl.LightningModule):
         return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=1e-3)
 
 
+class Normed(pl.LightningModule):
+    """BatchNorm on both sides of the cut, validated each epoch (running statistics
+    used), SGD with momentum."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(64, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                                     nn.Linear(32, 8))
+        self.decoder = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(),
+                                     nn.Linear(32, 64))
+        self.vals: list[float] = []
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        loss = F.mse_loss(self.decoder(self.encoder(x)), x)
+        self.log("loss", loss)
+        return loss
+
+    def validation_step(self, batch, i):
+        x = batch[0]
+        self.vals.append(F.mse_loss(self.decoder(self.encoder(x)), x).item())
+
+    def val_dataloader(self):
+        return digits(32)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
 class Many(pl.LightningModule):
     """One encoder called six times per step, none of its inputs asking for a gradient:
     six backwards in flight over there at once, whose gradients must add up in the order
@@ -237,11 +266,13 @@ def fit(model, strategy, data=None, **kw):
 
 def both(make, place, out, data=None, **kw):
     pl.seed_everything(0)
-    _, plain_losses, plain = fit(make(), "auto", data, **kw)
+    _, plain_losses, plain = fit(model := make(), "auto", data, **kw)
+    plain_vals = getattr(model, "vals", None)
     pl.seed_everything(0)
     strategy = SomatizeStrategy(place=place)
-    _, split_losses, split = fit(make(), strategy, data, **kw)
+    _, split_losses, split = fit(model := make(), strategy, data, **kw)
     torch.save({"plain": (plain_losses, plain), "split": (split_losses, split),
+                "vals": (plain_vals, getattr(model, "vals", None)),
                 "ran": strategy.where().get("", {}), "pid": os.getpid()}, out)
 
 
@@ -278,6 +309,10 @@ def finetune(out):
                                  callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
         got[name] = (losses, weights)
     torch.save({**got, "ran": s.where().get("", {}), "pid": os.getpid()}, out)
+
+
+def batchnorm(out):
+    both(Normed, {"encoder": "worker"}, out, digits(), max_epochs=2, limit_val_batches=2)
 
 
 def many_calls(out):

@@ -24,7 +24,8 @@ def run(tmp_path, *args, timeout=300):
     return torch.load(out, weights_only=False), done.stderr
 
 
-ORACLES = ["transformer", "autoencoder", "manual", "siamese", "many_calls", "gan", "finetune"]
+ORACLES = ["transformer", "autoencoder", "manual", "siamese", "many_calls", "gan", "finetune",
+           "batchnorm"]
 PRECISIONS = ["bf16", "norm", "value", "bf16-norm", "16", "bf16-true"]
 
 
@@ -47,6 +48,7 @@ def ran(tmp_path_factory):
     ("many_calls", "encoder", 6),    # six backwards in flight over there at once
     ("gan", "generator", 2),         # toggle_optimizer freezes the generator here
     ("finetune", "backbone", 1),     # BackboneFinetuning adds a param group at epoch 1
+    ("batchnorm", "encoder", 1),     # running statistics over there, validated each epoch
 ])
 def test_a_placed_submodule_trains_over_there_to_plain_lightnings_numbers(
         ran, case, placed, calls_per_step):
@@ -55,6 +57,7 @@ def test_a_placed_submodule_trains_over_there_to_plain_lightnings_numbers(
     split_losses, split = got["split"]
     assert len(plain_losses) >= 5
     assert split_losses == plain_losses
+    assert got["vals"][0] == got["vals"][1]  # validation losses, where the model keeps them
     assert plain.keys() == split.keys()  # the module's own keys: nothing renamed
     for k in plain:
         assert torch.equal(split[k], plain[k]), k
