@@ -223,6 +223,67 @@ class Normed(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class Probe(nn.Module):
+    """Answers, beside its output, the math settings of the process it runs in."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return {"y": self.lin(x), "threads": torch.get_num_threads(),
+                "precision": torch.get_float32_matmul_precision(),
+                "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "benchmark": torch._C._get_cudnn_benchmark()}  # (a CudnnModule does not pickle)
+
+
+class Settings(pl.LightningModule):
+    """Changes the math settings between batches; keeps what the encoder saw."""
+
+    SET = [(1, "high", True, True), (2, "medium", False, False), (1, "highest", False, True)]
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = Probe()
+        self.head = nn.Linear(8, 64)
+        self.seen: list[tuple] = []
+
+    def on_train_batch_start(self, batch, i):
+        threads, precision, deterministic, benchmark = self.SET[i % len(self.SET)]
+        torch.set_num_threads(threads)
+        torch.set_float32_matmul_precision(precision)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.backends.cudnn.benchmark = benchmark
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        out = self.encoder(x)
+        self.seen.append((out["threads"], out["precision"], out["deterministic"],
+                          out["benchmark"]))
+        return F.mse_loss(self.head(out["y"]), x)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def settings(out):
+    """The math settings here travel with each call (and a Worker(threads=...) keeps its
+    own count)."""
+    from somatize.remote import Worker
+
+    seen = {}
+    for name, workers in (("followed", None), ("own", {"worker": Worker.embedded(threads=2)})):
+        model = Settings()
+        fit(model, SomatizeStrategy(place={"encoder": "worker"}, workers=workers), digits(),
+            max_steps=6)
+        seen[name] = model.seen
+    torch.set_num_threads(2)
+    torch.set_float32_matmul_precision("highest")
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.benchmark = False
+    torch.save(seen, out)
+
+
 class Many(pl.LightningModule):
     """One encoder called six times per step, none of its inputs asking for a gradient:
     six backwards in flight over there at once, whose gradients must add up in the order

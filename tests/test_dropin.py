@@ -35,7 +35,7 @@ def ran(tmp_path_factory):
     results by name, e.g. ran("transformer"), ran("precision:16")."""
     where = tmp_path_factory.mktemp("dropin")
     cases = ORACLES + [f"precision:{p}" for p in PRECISIONS] + ["chosen", "devices", "stale",
-                                                                 "said"]
+                                                                 "said", "settings"]
     run(where, "many", *cases, timeout=900)
     return lambda case: torch.load(where / f"{case.replace(':', '-')}.pt", weights_only=False)
 
@@ -175,6 +175,16 @@ def test_the_log_says_whether_a_placed_module_trains_over_there(ran):
     assert "runs and trains on worker 'worker'" in got["trained"][0]
     assert "runs on worker 'worker'" in got["frozen"][0]
     assert "does not train" in got["frozen"][0] and "trains on" not in got["frozen"][0]
+
+
+def test_the_math_settings_here_travel_with_each_call(ran):
+    # threads, float32 matmul precision, deterministic algorithms, cuDNN benchmark: set
+    # differently before each batch here, seen by the module over there in that batch
+    seen = ran("settings")
+    want = [(1, "high", True, True), (2, "medium", False, False), (1, "highest", False, True)]
+    assert seen["followed"] == [want[i % 3] for i in range(6)]
+    # a worker given its own thread count keeps it; the rest still follows
+    assert seen["own"] == [(2, *want[i % 3][1:]) for i in range(6)]
 
 
 def test_a_strategy_that_places_nothing_says_so(caplog):
