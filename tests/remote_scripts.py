@@ -568,6 +568,26 @@ def trained_across() -> None:
         print("ok", len(far.ids))
 
 
+def _math_there(live) -> list:
+    return [torch.get_num_threads(), torch.get_float32_matmul_precision(),
+            torch.are_deterministic_algorithms_enabled()]
+
+
+def math_follows() -> None:
+    """The math settings here reach the worker before the step that runs under them
+    (the graph route); prints what the worker had after each step."""
+    g = _placed(Graph.somatize(Body(seed=None) >> Head(seed=None)), {"body": "gpu"})
+    trains = {"body": _split()}
+    with Trainer(g, cross_entropy, _sgd(parameters(g, without=trains)), trains=trains) as t:
+        for (xs, y), (threads, precision, det) in zip(batches(3), [
+                (1, "high", True), (2, "medium", False), (1, "highest", False)], strict=True):
+            torch.set_num_threads(threads)
+            torch.set_float32_matmul_precision(precision)
+            torch.use_deterministic_algorithms(det)
+            t.step((xs, y))
+            print(*t.runtime.call("gpu", _math_there))
+
+
 def by_hand_and_step() -> None:
     """A hand-written loop here and Trainer.step over a worker give the same losses."""
     mine, theirs = twins(lambda: Body(seed=None) >> Head(seed=None))

@@ -13,6 +13,11 @@ def test_a_graph_trained_across_a_worker_gives_the_same_numbers_as_the_whole_one
     assert out.split() == ["ok", "3", "ok", "2"]
 
 
+def test_the_math_settings_here_reach_the_worker_before_the_step_under_them(tmp_path):
+    out = coordinate("math_follows", cwd=tmp_path, timeout=120)
+    assert out.splitlines()[-3:] == ["1 high True", "2 medium False", "1 highest False"]
+
+
 def test_the_hand_written_loop_and_trainer_step_over_a_worker_give_the_same_losses(tmp_path):
     coordinate("by_hand_and_step", cwd=tmp_path, timeout=120)
 

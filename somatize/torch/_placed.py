@@ -31,6 +31,7 @@ import torch
 
 from .._errors import Refused
 from .._trace import span
+from ._math import math_flags, set_math
 from ._module import ModuleNode
 
 log = logging.getLogger(__name__)
@@ -99,7 +100,7 @@ def _apply(placed: Placed, ops: list) -> None:
             for m, mode in zip(placed.module.modules(), op[1], strict=True):
                 m.training = mode
         elif op[0] == "math":  # the caller's math settings, changed since its last call
-            _set_math(op[1])
+            set_math(op[1])
         elif op[0] == "requires_grad":  # toggle_optimizer, requires_grad_() here
             for p, flag in zip(placed.module.parameters(), op[1], strict=True):
                 p.requires_grad_(flag)
@@ -117,71 +118,6 @@ def _apply(placed: Placed, ops: list) -> None:
         elif op[0] == "clip_value":
             _, i, value = op
             torch.nn.utils.clip_grad_value_(_params(placed.mirrors[i]), clip_value=value)
-
-
-# The process-wide settings that change a kernel's numbers (or which kernel runs): read
-# here before each call, set over there when they differ. Each is (name, read, write); a
-# read that raises is left out (torch refuses to read a legacy TF32 flag once the new
-# fp32_precision API has set it, and the reverse), and legacy flags come before the new
-# ones, so the side that set one API is followed through that API.
-def _attr(path: str) -> tuple:
-    *owner, name = path.split(".")
-
-    def where():
-        o = torch
-        for part in owner:
-            o = getattr(o, part)
-        return o
-
-    return (path, lambda: getattr(where(), name), lambda v: setattr(where(), name, v))
-
-
-_MATH = [
-    ("threads", torch.get_num_threads, torch.set_num_threads),
-    ("float32_matmul_precision", torch.get_float32_matmul_precision,
-     torch.set_float32_matmul_precision),
-    ("deterministic_algorithms",
-     lambda: (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled()),
-     lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
-    _attr("backends.cuda.matmul.allow_tf32"),
-    _attr("backends.cudnn.allow_tf32"),
-    _attr("backends.cuda.matmul.allow_fp16_reduced_precision_reduction"),
-    _attr("backends.cuda.matmul.allow_bf16_reduced_precision_reduction"),
-    _attr("backends.cudnn.benchmark"),
-    _attr("backends.cudnn.deterministic"),
-    _attr("backends.cudnn.enabled"),
-    *[_attr(f"backends.{api}.fp32_precision")
-      for api in ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv",
-                  "mkldnn.rnn")],
-]
-
-
-def math_flags() -> tuple:
-    """The math settings of this process, as ``(name, value)`` pairs (those readable)."""
-    got = []
-    for name, read, _ in _MATH:
-        try:
-            got.append((name, read()))
-        except (AttributeError, RuntimeError):
-            continue
-    return tuple(got)
-
-
-def _set_math(flags: tuple) -> None:
-    writers = {name: (read, write) for name, read, write in _MATH}
-    for name, value in flags:
-        read, write = writers[name]
-        try:
-            if read() == value:
-                continue
-        except (AttributeError, RuntimeError):
-            pass
-        try:
-            write(value)
-        except (AttributeError, RuntimeError) as e:
-            log.warning("could not set %s = %r here as the coordinator has it (%s): "
-                        "numbers may differ from one piece's", name, value, e)
 
 
 def _params(opt: torch.optim.Optimizer) -> list:
@@ -423,9 +359,7 @@ class Link:
         if flags != self.flags:
             self.ops.append(("requires_grad", flags))
             self.flags = flags
-        math = math_flags()
-        if self.own_threads:  # Worker(threads=...) given: that count stays over there
-            math = tuple(f for f in math if f[0] != "threads")
+        math = math_flags(threads=not self.own_threads)  # Worker(threads=) stays as given
         if math != self.math:
             self.ops.append(("math", math))
             self.math = math

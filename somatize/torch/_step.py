@@ -38,6 +38,7 @@ from .._stages import levels, stages
 from .._trace import span
 from .._values import Opaque, bare
 from ._freeze import freeze, state_of
+from ._math import math_flags, set_math_live
 from ._split import narrowed
 
 
@@ -88,6 +89,8 @@ class Step:
             self.runtime = _holes.transport().runtime_for(self.running, workers)
             self.runtime.provision(self.running)
         self.naming = naming(graph, self.keeper, self.runtime)
+        self._math: dict[str, tuple] = {}  # per host: the math settings as last sent
+        self._math_sent: list = []  # those calls, answered or not
         self.sinks = graph.sinks
         self.made: dict[str, Any] | None = None  # the forward awaiting its backward
         self.owed: dict[str, Any] = {}  # gradients deferred to the next step's input
@@ -133,6 +136,7 @@ class Step:
                     "(concatenate the batches), or train it in one piece")
             out, self.made = self._staged(inputs, meanwhile)
             return out
+        self.follow_math()
         fed = {Position(r, IN) if r in self.trains else r: v for r, v in inputs.items()}
         out = walk(self.running, self.running.plan.order, inputs=fed, keeper=self.keeper,
                    naming=self.naming, training=training, remote=self.runtime,
@@ -159,6 +163,8 @@ class Step:
                       ) -> Outcome:
         """Walk stage ``k`` on ``fed`` (its roots' inputs) and what earlier stages
         ``handed``; add what it hands on to ``handed`` and its leaves to ``made``."""
+        if k == 0:
+            self.follow_math()
         out = walk(self.running, self.orders[k], inputs=fed, given=handed,
                    keeper=self.keeper if k == 0 else None, naming=self.naming and k == 0,
                    training=True, remote=self.runtime, wanted=self.wanted[k],
@@ -170,6 +176,20 @@ class Step:
             # each stage starts a fresh autograd graph: what it is handed is a leaf
             handed[n], made[n] = _leaf(out.values[n], n in self.trains)
         return out
+
+    def follow_math(self) -> None:
+        """Send each worker this process's math settings (threads, TF32, deterministic
+        algorithms...) when they changed since: an ordered call, so it runs over there
+        before the stretches sent after it. A Worker given its own threads keeps them."""
+        if self.runtime is None:
+            return
+        for host in self.running.placement.workers():
+            flags = math_flags(threads=self.runtime.spec(host).threads is None)
+            if self._math.get(host) != flags:
+                self._math[host] = flags
+                self._math_sent.append(self.runtime.call_async(host, set_math_live, flags))
+        while self._math_sent and self._math_sent[0].fut.done():
+            self._math_sent.pop(0).result()  # raises what went wrong over there
 
     def _count(self, out: Outcome) -> None:
         with self._counting:  # micro-batches: stages on workers are answered on other threads

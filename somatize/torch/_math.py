@@ -1,0 +1,89 @@
+"""The process-wide settings that change a kernel's numbers (or which kernel runs), read
+here and set over there, so a module placed on a worker computes as it would here.
+
+    flags = math_flags()        # here, before a call: (name, value) pairs
+    set_math(flags)             # over there: each one that differs is set
+
+Each setting is (name, read, write). A read that raises is left out: torch refuses to
+read a legacy TF32 flag once the new ``fp32_precision`` API has set it, and the reverse.
+Legacy flags come before the new ones, so the side that set one API is followed through
+that API.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def _attr(path: str) -> tuple[str, Callable, Callable]:
+    *owner, name = path.split(".")
+
+    def where():
+        o = torch
+        for part in owner:
+            o = getattr(o, part)
+        return o
+
+    return (path, lambda: getattr(where(), name), lambda v: setattr(where(), name, v))
+
+
+_MATH = [
+    ("threads", torch.get_num_threads, torch.set_num_threads),
+    ("float32_matmul_precision", torch.get_float32_matmul_precision,
+     torch.set_float32_matmul_precision),
+    ("deterministic_algorithms",
+     lambda: (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled()),
+     lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
+    _attr("backends.cuda.matmul.allow_tf32"),
+    _attr("backends.cudnn.allow_tf32"),
+    _attr("backends.cuda.matmul.allow_fp16_reduced_precision_reduction"),
+    _attr("backends.cuda.matmul.allow_bf16_reduced_precision_reduction"),
+    _attr("backends.cudnn.benchmark"),
+    _attr("backends.cudnn.deterministic"),
+    _attr("backends.cudnn.enabled"),
+    *[_attr(f"backends.{api}.fp32_precision")
+      for api in ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv",
+                  "mkldnn.rnn")],
+]
+_WRITERS = {name: (read, write) for name, read, write in _MATH}
+
+
+def math_flags(threads: bool = True) -> tuple:
+    """This process's math settings, as ``(name, value)`` pairs (those readable);
+    ``threads=False`` leaves the thread count out (a worker given its own keeps it)."""
+    got = []
+    for name, read, _ in _MATH:
+        if name == "threads" and not threads:
+            continue
+        try:
+            got.append((name, read()))
+        except (AttributeError, RuntimeError):
+            continue
+    return tuple(got)
+
+
+def set_math(flags: tuple) -> None:
+    """Set each of ``flags`` (``math_flags()`` of another process) that differs here."""
+    for name, value in flags:
+        read, write = _WRITERS[name]
+        try:
+            if read() == value:
+                continue
+        except (AttributeError, RuntimeError):
+            pass
+        try:
+            write(value)
+        except (AttributeError, RuntimeError) as e:
+            log.warning("could not set %s = %r here as the coordinator has it (%s): "
+                        "numbers may differ from one piece's", name, value, e)
+
+
+def set_math_live(live, flags: tuple) -> None:
+    """``set_math`` as a call over there (the transport's generic call)."""
+    set_math(flags)
