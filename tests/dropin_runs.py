@@ -194,9 +194,9 @@ class Finetuned(pl.LightningModule):
         return torch.optim.Adam(filter(lambda p: p.requires_grad, self.parameters()), lr=1e-3)
 
 
-class Normed(pl.LightningModule):
-    """BatchNorm on both sides of the cut, validated each epoch (running statistics
-    used), SGD with momentum."""
+class Normed(AutoEncoder):
+    """The autoencoder with BatchNorm on both sides of the cut, validated each epoch
+    (running statistics used), SGD with momentum."""
 
     def __init__(self):
         super().__init__()
@@ -205,12 +205,6 @@ class Normed(pl.LightningModule):
         self.decoder = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(),
                                      nn.Linear(32, 64))
         self.vals: list[float] = []
-
-    def training_step(self, batch, i):
-        x = batch[0]
-        loss = F.mse_loss(self.decoder(self.encoder(x)), x)
-        self.log("loss", loss)
-        return loss
 
     def validation_step(self, batch, i):
         x = batch[0]
