@@ -5,8 +5,10 @@ tests/test_dropin.py calls them and reads what they save.
     python tests/dropin_runs.py transformer OUT.pt
 """
 
+import collections
 import os
 import sys
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -276,6 +278,44 @@ def settings(out):
     torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.benchmark = False
     torch.save(seen, out)
+
+
+Pair = collections.namedtuple("Pair", "a b")  # defined in __main__: not importable there
+
+
+class PairEncoder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+
+    def forward(self, pair):
+        return self.lin(pair.a) + self.lin(pair.b)
+
+
+class TakesPairs(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.encoder = PairEncoder()
+        self.head = nn.Linear(8, 64)
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        return F.mse_loss(self.head(self.encoder(Pair(x, x.flip(0)))), x)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def unreadable(out):
+    """An argument whose class the worker cannot import: the error says so, in time."""
+    from somatize import WorkerError
+
+    said, t = "", time.monotonic()
+    try:
+        fit(TakesPairs(), SomatizeStrategy(place={"encoder": "worker"}), digits(), max_steps=2)
+    except WorkerError as e:
+        said = str(e)
+    torch.save({"said": said, "seconds": time.monotonic() - t}, out)
 
 
 class Many(pl.LightningModule):

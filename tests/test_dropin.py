@@ -35,7 +35,7 @@ def ran(tmp_path_factory):
     results by name, e.g. ran("transformer"), ran("precision:16")."""
     where = tmp_path_factory.mktemp("dropin")
     cases = ORACLES + [f"precision:{p}" for p in PRECISIONS] + ["chosen", "devices", "stale",
-                                                                 "said", "settings"]
+                                                                 "said", "settings", "unreadable"]
     run(where, "many", *cases, timeout=900)
     return lambda case: torch.load(where / f"{case.replace(':', '-')}.pt", weights_only=False)
 
@@ -185,6 +185,16 @@ def test_the_math_settings_here_travel_with_each_call(ran):
     assert seen["followed"] == [want[i % 3] for i in range(6)]
     # a worker given its own thread count keeps it; the rest still follows
     assert seen["own"] == [(2, *want[i % 3][1:]) for i in range(6)]
+
+
+def test_an_argument_the_worker_cannot_rebuild_is_named_not_taken_for_a_lost_worker(ran):
+    got = ran("unreadable")
+    said = got["said"]
+    assert "worker 'worker' could not read the arguments" in said
+    assert "Can't get attribute 'Pair'" in said and "__main__" in said
+    assert "move it to a module both sides import" in said
+    assert "was lost" not in said and "unreachable" not in said
+    assert got["seconds"] < 30  # not a call waiting for its turn until a timeout
 
 
 def test_a_strategy_that_places_nothing_says_so(caplog):

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import types
@@ -257,6 +258,8 @@ class Runtime:
 
     def _failure(self, p: Peer, what: str, e: Exception) -> WorkerError:
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if msg.split(": ", 1)[-1].startswith("On WorkerInfo(") and p.why_dead() is None:
+            return self._unreadable(p, what, str(e))
         dead = p.why_dead()
         if dead is None and ("timed out" in msg.lower() or "timeout" in msg.lower()):
             p.unanswered = True  # closing waits for it no longer: it is stopped at once
@@ -272,6 +275,24 @@ class Runtime:
             f"worker {p.host!r} ({p.kind}, pid {p.pid}) was lost while {what}: {dead}. "
             "Its state over there is gone; close the graph (g.close()) and run again"
         )
+
+
+    def _unreadable(self, p: Peer, what: str, said: str) -> WorkerError:
+        # the worker raised before any of ours ran: it could not unpickle the call. Its
+        # number never came to its turn, so this run's calls over there are out of step:
+        # nothing more is sent to it
+        lines = said.strip().splitlines()
+        cause = lines[1] if len(lines) > 1 else lines[0]
+        raised = re.match(r"(\w+)\([\"'](.*?)(?: Default RPC pickler.*)?[\"']?\)?$", cause)
+        if raised:  # AttributeError("Can't get ...") -> AttributeError: Can't get ...
+            cause = f"{raised[1]}: {raised[2]}"
+        p.dead = f"it could not read the arguments of a call ({cause})"
+        group().forget(p)
+        return WorkerError(
+            f"worker {p.host!r} could not read the arguments of {what}: {cause}. A class "
+            "(or function) that an argument uses and that your script defines in __main__ "
+            "cannot be rebuilt over there: move it to a module both sides import. This run "
+            "is over on that worker; run again once fixed")
 
 
 class _Pending:
