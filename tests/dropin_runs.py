@@ -486,6 +486,13 @@ class FrozenEncoder(AutoEncoder):
         self.encoder.requires_grad_(False)
 
 
+class HooksDuringFit(pl.Callback):
+    """Puts a forward hook on a child of the placed encoder once fit has started."""
+
+    def on_train_start(self, trainer, pl_module):
+        pl_module.encoder[0].register_forward_hook(lambda *a: None)
+
+
 def said(out):
     """What the strategy logs about each placed module: a trained one and a frozen one."""
     import logging
@@ -505,6 +512,10 @@ def said(out):
         fit(make(), SomatizeStrategy(place={"encoder": "worker"}), digits(), max_steps=2,
             limit_val_batches=0)
         got[name] = [line for line in lines if line.startswith("module 'encoder'")]
+    lines.clear()
+    fit(AutoEncoder(), SomatizeStrategy(place={"encoder": "worker"}), digits(), max_steps=3,
+        limit_val_batches=0, callbacks=[HooksDuringFit()])
+    got["hooked"] = [line for line in lines if "hook" in line]
     logger.removeHandler(keep)
     torch.save(got, out)
 

@@ -323,6 +323,8 @@ class Link:
         self._previous = None
         self.needs: dict[int, list[bool]] = {}  # per call in flight: which arguments ask dL/d
         self._hooks: list = []
+        self._children: list = []  # (path, child) of the placed module, and their hooks
+        self._hooked: list[int] = []
         self.answer: list = []
 
     # -- installing --------------------------------------------------------------------
@@ -334,6 +336,9 @@ class Link:
             if child is not self.module:
                 self._hooks.append(child.register_forward_pre_hook(
                     functools.partial(_refuse_here, self, path)))
+        self._children = [(path, child) for path, child in self.module.named_modules()
+                          if child is not self.module]
+        self._hooked = [_hook_count(child) for _, child in self._children]
         self.remember()
 
     def uninstall(self) -> None:
@@ -347,6 +352,7 @@ class Link:
     # -- a call --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.catch_writes()
+        self.catch_hooks()
         flat, spec = tree_flatten((args, kwargs))
         grad = torch.is_grad_enabled()
         needs = [grad and isinstance(t, torch.Tensor) and t.requires_grad for t in flat]
@@ -479,6 +485,20 @@ class Link:
         self.remember()
         return got["optimizers"]
 
+    def catch_hooks(self) -> None:
+        """A hook put on a child here since the module was sent never runs (the child runs
+        over there): said once per child."""
+        for k, (path, child) in enumerate(self._children):
+            now = _hook_count(child)
+            if now > self._hooked[k]:
+                log.warning("a hook was registered here on %s.%s, which runs on worker %r: "
+                            "it does not run (the module was sent before it was put). "
+                            "Register hooks before fit, so they travel with the module and "
+                            "run over there (what they record stays there), or leave %r "
+                            "unplaced", self.name, path,
+                            self.host, self.name)
+            self._hooked[k] = now
+
     def remember(self) -> None:
         self.versions = {k: t._version for k, t in self.module.state_dict(keep_vars=True).items()}
 
@@ -493,6 +513,11 @@ class Link:
 
     def load_optimizer(self, i: int, by_name: dict) -> None:
         self._rpc(_load_optimizer, self.name, i, by_name)
+
+
+def _hook_count(m: torch.nn.Module) -> int:
+    return (len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+            + len(m._backward_pre_hooks))
 
 
 def _crossing(value: Any) -> Any:
