@@ -415,6 +415,11 @@ def many_calls(out):
     both(Many, {"encoder": "worker"}, out, digits(), max_epochs=2)
 
 
+def siamese_bf16(out):
+    """The siamese module (two calls per step) under bf16-mixed autocast."""
+    both(Siamese, {"encoder": "worker"}, out, digits(), max_epochs=1, precision="bf16-mixed")
+
+
 def resume(out, first, then):
     """Epoch 1 under ``first`` (checkpointed), then resumed under ``then`` to epoch 2."""
     ckpt_dir = os.path.join(os.path.dirname(out), f"{first}-{then}")

@@ -25,7 +25,7 @@ def run(tmp_path, *args, timeout=300):
 
 
 ORACLES = ["transformer", "autoencoder", "manual", "siamese", "many_calls", "gan", "finetune",
-           "batchnorm"]
+           "batchnorm", "siamese_bf16"]
 PRECISIONS = ["bf16", "norm", "value", "bf16-norm", "16", "bf16-true"]
 
 
@@ -49,6 +49,7 @@ def ran(tmp_path_factory):
     ("gan", "generator", 2),         # toggle_optimizer freezes the generator here
     ("finetune", "backbone", 1),     # BackboneFinetuning adds a param group at epoch 1
     ("batchnorm", "encoder", 1),     # running statistics over there, validated each epoch
+    ("siamese_bf16", "encoder", 2),  # two calls per step under bf16-mixed autocast
 ])
 def test_a_placed_submodule_trains_over_there_to_plain_lightnings_numbers(
         ran, case, placed, calls_per_step):
