@@ -276,7 +276,6 @@ class Runtime:
             "Its state over there is gone; close the graph (g.close()) and run again"
         )
 
-
     def _unreadable(self, p: Peer, what: str, said: str) -> WorkerError:
         # the worker raised before any of ours ran: it could not unpickle the call. Its
         # number never came to its turn, so this run's calls over there are out of step:
