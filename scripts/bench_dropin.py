@@ -9,6 +9,8 @@ tests/dropin_runs.py trained by plain Lightning and under
                                                    # the whole fit, each fit a fresh process
     python scripts/bench_dropin.py --memory        # the coordinator's peak memory with a
                                                    # large encoder placed, against plain
+    python scripts/bench_dropin.py --clip 0.5      # with norm clipping on both (one more
+                                                   # round trip per step: the norms)
 
 The steady step is the median time between consecutive training batches' ends, past
 each fit's first epoch (batch 16 of scikit-learn's digits, 113 batches an epoch, no
@@ -117,12 +119,13 @@ def data() -> tud.DataLoader:
     return tud.DataLoader(tud.TensorDataset(x), batch_size=16)
 
 
-def fit(strategy, epochs: int) -> Clock:
+def fit(strategy, epochs: int, **kw) -> Clock:
     clock = Clock()
     pl.seed_everything(0)
     trainer = pl.Trainer(max_epochs=epochs, strategy=strategy, logger=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, limit_val_batches=0, callbacks=[clock])
+                         enable_checkpointing=False, limit_val_batches=0, callbacks=[clock],
+                         **kw)
     trainer.fit(AutoEncoder(), data())
     return clock
 
@@ -240,6 +243,9 @@ def main() -> int:
     ap.add_argument("--memory", action="store_true",
                     help="the coordinator's peak memory, a large encoder placed vs plain")
     ap.add_argument("--peak", choices=["plain", "split"], help=argparse.SUPPRESS)
+    ap.add_argument("--clip", type=float, default=None,
+                    help="both fits with gradient_clip_val (norm): the norms over there cost "
+                         "one more round trip per step")
     args = ap.parse_args()
     if args.peak:
         peak(args.peak)
@@ -253,9 +259,10 @@ def main() -> int:
         return startup(args)
     rounds = []  # per round: plain ms/step, split ms/step, round trip ms, empty call ms
     calls = batches = 0
+    clip = {} if args.clip is None else {"gradient_clip_val": args.clip}
     for _ in range(args.rounds):
-        plain = fit("auto", args.epochs)
-        split = fit(SomatizeStrategy(place={"encoder": "worker"}), args.epochs)
+        plain = fit("auto", args.epochs, **clip)
+        split = fit(SomatizeStrategy(place={"encoder": "worker"}), args.epochs, **clip)
         rounds.append([statistics.median(x) for x in (plain.steps, split.steps,
                                                        split.round_trips, split.generic)])
         calls, batches = calls + split.calls, batches + split.batches
@@ -266,11 +273,15 @@ def main() -> int:
           f"{args.epochs - 1} timed epochs each; math threads {torch.get_num_threads()}, "
           f"{os.cpu_count()} cores, OMP_WAIT_POLICY {os.environ['OMP_WAIT_POLICY']}, "
           f"load {os.getloadavg()[0]:.2f}")
+    if clip:
+        print(f"gradient_clip_val={args.clip} (norm) on both: one more round trip per step is "
+              "expected (the placed gradients' norms, read before the step)")
     print(f"{'plain Lightning':>34}: {p:7.3f} ms/step")
     print(f"{'SomatizeStrategy(place=encoder)':>34}: {s:7.3f} ms/step")
     print(f"{'bare rpc_sync round trip':>34}: {rt:7.3f} ms")
     print(f"{'overhead':>34}: {s - p:7.3f} ms/step = {statistics.median(over):.2f} round trips "
-          f"(median of the rounds: {', '.join(f'{o:.2f}' for o in over)}; target <= 1.5)")
+          f"(median of the rounds: {', '.join(f'{o:.2f}' for o in over)}; target <= "
+          f"{2.5 if clip else 1.5})")
     print(f"{'messages to the worker':>34}: {calls / max(batches, 1):.2f} per step; an empty call "
           f"(runtime.call) costs {g:.3f} ms = {g / rt:.2f} round trips")
     return 0
