@@ -230,7 +230,8 @@ class Probe(nn.Module):
         return {"y": self.lin(x), "threads": torch.get_num_threads(),
                 "precision": torch.get_float32_matmul_precision(),
                 "deterministic": torch.are_deterministic_algorithms_enabled(),
-                "benchmark": torch._C._get_cudnn_benchmark()}  # (a CudnnModule does not pickle)
+                "benchmark": torch._C._get_cudnn_benchmark(),  # (a CudnnModule does not pickle)
+                "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
 
 
 class Settings(pl.LightningModule):
@@ -250,12 +251,16 @@ class Settings(pl.LightningModule):
         torch.set_float32_matmul_precision(precision)
         torch.use_deterministic_algorithms(deterministic)
         torch.backends.cudnn.benchmark = benchmark
+        if deterministic:  # as Lightning's deterministic=True does, for cuBLAS
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        else:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
     def training_step(self, batch, i):
         x = batch[0]
         out = self.encoder(x)
         self.seen.append((out["threads"], out["precision"], out["deterministic"],
-                          out["benchmark"]))
+                          out["benchmark"], out["cublas"]))
         return F.mse_loss(self.head(out["y"]), x)
 
     def configure_optimizers(self):
@@ -277,6 +282,7 @@ def settings(out):
     torch.set_float32_matmul_precision("highest")
     torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.benchmark = False
+    os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
     torch.save(seen, out)
 
 
@@ -409,6 +415,32 @@ def finetune(out):
 
 def batchnorm(out):
     both(Normed, {"encoder": "worker"}, out, digits(), max_epochs=2, limit_val_batches=2)
+
+
+def finetune_resumed(out):
+    """Finetuned to epoch 2 (the backbone unfrozen at 1, its group added) and checkpointed
+    plainly, then resumed to epoch 3 plainly and placed: the restored group's Adam state
+    must reach the mirror."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    ckpt_dir = os.path.join(os.path.dirname(out), "finetune-ckpt")
+    pl.seed_everything(0)
+    fit(Finetuned(), "auto", digits(), max_epochs=2, enable_checkpointing=True,
+        default_root_dir=ckpt_dir, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
+    ckpt = next(os.path.join(r, f) for r, _, fs in os.walk(ckpt_dir) for f in fs
+                if f.endswith(".ckpt"))
+    got = {}
+    for name, strategy in (("plain", lambda: "auto"),
+                           ("split", lambda: SomatizeStrategy(place={"backbone": "worker"}))):
+        pl.seed_everything(1)
+        model, losses = Finetuned(), Losses()
+        trainer = pl.Trainer(logger=False, enable_progress_bar=False,
+                             enable_model_summary=False, strategy=strategy(),
+                             callbacks=[losses, BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+                             max_epochs=3, enable_checkpointing=False)
+        trainer.fit(model, digits(), ckpt_path=ckpt)
+        got[name] = (losses.losses, {k: v.detach().clone() for k, v in model.state_dict().items()})
+    torch.save({**got, "vals": (None, None), "ran": {}, "pid": os.getpid()}, out)
 
 
 def many_calls(out):

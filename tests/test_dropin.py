@@ -35,7 +35,9 @@ def ran(tmp_path_factory):
     results by name, e.g. ran("transformer"), ran("precision:16")."""
     where = tmp_path_factory.mktemp("dropin")
     cases = ORACLES + [f"precision:{p}" for p in PRECISIONS] + ["chosen", "devices", "stale",
-                                                                 "said", "settings", "unreadable"]
+                                                                 "said", "settings",
+                                                                 "finetune_resumed",
+                                                                 "unreadable"]
     run(where, "many", *cases, timeout=900)
     return lambda case: torch.load(where / f"{case.replace(':', '-')}.pt", weights_only=False)
 
@@ -185,10 +187,21 @@ def test_the_math_settings_here_travel_with_each_call(ran):
     # threads, float32 matmul precision, deterministic algorithms, cuDNN benchmark: set
     # differently before each batch here, seen by the module over there in that batch
     seen = ran("settings")
-    want = [(1, "high", True, True), (2, "medium", False, False), (1, "highest", False, True)]
+    # (and CUBLAS_WORKSPACE_CONFIG, which Lightning's deterministic=True sets here)
+    want = [(1, "high", True, True, ":4096:8"), (2, "medium", False, False, None),
+            (1, "highest", False, True, None)]
     assert seen["followed"] == [want[i % 3] for i in range(6)]
     # a worker given its own thread count keeps it; the rest still follows
     assert seen["own"] == [(2, *want[i % 3][1:]) for i in range(6)]
+
+
+def test_a_finetuning_run_resumed_after_its_backbone_joined_the_optimizer_is_exact(ran):
+    # BackboneFinetuning restores the backbone's param group on resume; its Adam state
+    # reaches the mirror over there
+    got = ran("finetune_resumed")
+    assert len(got["plain"][0]) >= 5 and got["split"][0] == got["plain"][0]
+    for k, v in got["plain"][1].items():
+        assert torch.equal(got["split"][1][k], v), k
 
 
 def test_an_argument_the_worker_cannot_rebuild_is_named_not_taken_for_a_lost_worker(ran):

@@ -130,7 +130,9 @@ class DropIn:
         then those added during fit (``add_param_group``: a finetuning callback unfreezing
         a placed backbone)."""
         opt = self.optimizers[i]
-        first, self._seen[i] = self._seen[i], len(opt.param_groups)
+        first = self._seen[i]
+        if first == len(opt.param_groups):
+            return
         for path, m in self.modules.items():
             if path in self.chosen:
                 continue  # trained by the user's choice, not a mirror
@@ -142,11 +144,12 @@ class DropIn:
             if not groups:
                 continue
             if (i, path) in self.groups:
-                self.groups[(i, path)] += groups
                 self.links[path].grow(i, opt, groups)
+                self.groups[(i, path)] += groups
             else:
-                self.groups[(i, path)] = groups
                 self.links[path].mirror(i, opt, groups)
+                self.groups[(i, path)] = groups
+        self._seen[i] = len(opt.param_groups)
 
     def chosen_states(self) -> dict[str, Any]:
         """The chosen optimizers' states over there, by placed path."""
@@ -259,6 +262,8 @@ class DropIn:
 
     def _paths(self, optimizer: Any) -> list[str]:
         i = self._index(optimizer)
+        if i is not None:
+            self._follow(i)  # a group added since the last zero_grad is clipped too
         return [p for (j, p) in self.groups if j == i]
 
     # -- what the strategy tells it ----------------------------------------------------
@@ -296,6 +301,7 @@ class DropIn:
         i = self._index(optimizer)
         if i is None:
             return state
+        self._follow(i)
         order = [p for g in self.optimizers[i].param_groups for p in g["params"]]
         mirrors = self.sync()
         state = dict(state, state=dict(state["state"]))
@@ -314,6 +320,10 @@ class DropIn:
 
     def load_optimizer_states(self, states: list) -> None:
         """Hand the mirrors their parameters' entries of checkpointed optimizer states."""
+        for i in range(len(self.optimizers)):  # groups restored before this (finetuning)
+            self._follow(i)
+        for link in self.links.values():
+            link.flush()  # the groups added over there before their state arrives
         for (i, path), _ in self.groups.items():
             if i >= len(states):
                 continue

@@ -148,6 +148,8 @@ class Runtime:
 
     def call_async(self, host: str, fn, *args: Any) -> _Pending:
         """``call`` without waiting: ``.result()`` answers (or raises WorkerError)."""
+        if self.closed:
+            raise self._ended(host)
         if host not in self.provisioned:
             self.provision()
         p = self.peers[host]
@@ -214,8 +216,9 @@ class Runtime:
             with self._sending, span(f"send to {p.host}: {what}", "transfer", bytes=sent):
                 if ordered:
                     args = (*args, self._tickets.get(p.host, 0))
-                    self._tickets[p.host] = args[-1] + 1
                 fut = rpc.rpc_async(p.name, fn, args=args, timeout=self.timeout[p.host])
+                if ordered:  # numbered once sent: one that never left leaves no gap
+                    self._tickets[p.host] = args[-1] + 1
         except Exception as e:  # raised at once: the agent no longer knows the worker
             raise self._failure(p, what, e) from None
         if len(self._flying) > 64:  # calls nobody read (a walk that raised): forget the done

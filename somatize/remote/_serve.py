@@ -214,6 +214,8 @@ def _call(session: str, fn_blob: bytes, args: tuple, kw: dict) -> Any:
 def stop() -> None:
     """Leave the group and exit (the main thread does it once this call has answered)."""
     _stop.set()
+    with _turns:  # calls waiting for their turn are answered now
+        _turns.notify_all()
 
 
 def _catalog_of(graph) -> dict[str, str]:

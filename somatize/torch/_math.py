@@ -13,6 +13,7 @@ that API.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 
 import torch
@@ -32,8 +33,18 @@ def _attr(path: str) -> tuple[str, Callable, Callable]:
     return (path, lambda: getattr(where(), name), lambda v: setattr(where(), name, v))
 
 
+def _set_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
 _MATH = [
     ("threads", torch.get_num_threads, torch.set_num_threads),
+    # Lightning's deterministic=True sets it here: cuBLAS reads it, before the flag below
+    ("CUBLAS_WORKSPACE_CONFIG", lambda: os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+     lambda v: _set_env("CUBLAS_WORKSPACE_CONFIG", v)),
     ("float32_matmul_precision", torch.get_float32_matmul_precision,
      torch.set_float32_matmul_precision),
     ("deterministic_algorithms",
@@ -79,7 +90,7 @@ def set_math(flags: tuple) -> None:
             pass
         try:
             write(value)
-        except (AttributeError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - another torch may lack or refuse a setting
             log.warning("could not set %s = %r here as the coordinator has it (%s): "
                         "numbers may differ from one piece's", name, value, e)
 

@@ -325,6 +325,7 @@ class Link:
         self._hooks: list = []
         self._children: list = []  # (path, child) of the placed module, and their hooks
         self._hooked: list[int] = []
+        self._warned: set[str] = set()  # children whose late hooks were said
         self.answer: list = []
 
     # -- installing --------------------------------------------------------------------
@@ -490,7 +491,8 @@ class Link:
         over there): said once per child."""
         for k, (path, child) in enumerate(self._children):
             now = _hook_count(child)
-            if now > self._hooked[k]:
+            if now > self._hooked[k] and path not in self._warned:
+                self._warned.add(path)
                 log.warning("a hook was registered here on %s.%s, which runs on worker %r: "
                             "it does not run (the module was sent before it was put). "
                             "Register hooks before fit, so they travel with the module and "
