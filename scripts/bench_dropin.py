@@ -42,6 +42,7 @@ import torch.utils.data as tud  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))
+from bench_remote import median_ms  # noqa: E402
 from dropin_runs import AutoEncoder  # noqa: E402
 
 from somatize.lightning import SomatizeStrategy  # noqa: E402
@@ -101,15 +102,6 @@ class Clock(pl.Callback):
                                           self.repeats))
         # id(live): a function the worker imports (one defined here would travel by value)
         self.generic.append(median_ms(lambda: runtime.call("worker", id), self.repeats))
-
-
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return statistics.median(times)
 
 
 def data() -> tud.DataLoader:
