@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "show":
-        from ._describe import show_main
+        from ._show import show_main
 
         return show_main(rest)
     if cmd == "store":

@@ -1,21 +1,17 @@
 """A picture of a graph: text, and Graphviz DOT (rendered to SVG/PNG where ``dot`` exists).
+Functions over a graph's facts; ``Graph.describe`` and ``Graph.dot`` call them.
 
-    print(g.describe(trained={"body"}))
-    somatize show my_model.py --svg graph.svg
+    print(describe(g, trained={"body"}))     # or g.describe(trained={"body"})
+    render(dot(g), "graph.svg")
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
-import runpy
 import shutil
 import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-from ._errors import SomatizeError
 from ._node import kind_of
 from ._stages import cut, levels
 
@@ -90,46 +86,3 @@ def render(dot_text: str, path: str | Path) -> bool:
     subprocess.run([exe, f"-T{fmt}", "-o", str(path)], input=dot_text.encode(), check=True,
                    timeout=60)
     return True
-
-
-def _find_graph(namespace: dict, where: str):
-    from ._graph import Graph
-
-    graphs = [(k, v) for k, v in namespace.items() if isinstance(v, Graph)]
-    if not graphs:
-        raise SomatizeError(
-            f"{where} defines no somatize.Graph at module level: build one there, e.g. "
-            "`g = Graph.somatize(Body() >> Head())`"
-        )
-    return graphs[0][1]
-
-
-def show_main(argv: list[str]) -> int:
-    """``somatize show PATH|MODULE``: print the graph a script or module builds, and draw it."""
-    ap = argparse.ArgumentParser(prog="somatize show", description=show_main.__doc__)
-    ap.add_argument("target", help="a .py file or an importable module that builds a Graph")
-    ap.add_argument("--trained", default="", help="comma-separated ids trained where they run")
-    ap.add_argument("--dot", help="write the DOT text here")
-    ap.add_argument("--svg", help="render an SVG here (needs Graphviz)")
-    ap.add_argument("--png", help="render a PNG here (needs Graphviz)")
-    args = ap.parse_args(argv)
-    try:
-        if args.target.endswith(".py") or Path(args.target).is_file():
-            ns = runpy.run_path(args.target, run_name="__somatize_show__")
-        else:
-            ns = vars(importlib.import_module(args.target))
-        g = _find_graph(ns, args.target)
-    except SomatizeError as e:
-        print(f"somatize show: {e}", file=sys.stderr)
-        return 1
-    trained = [t for t in args.trained.split(",") if t]
-    print(describe(g, trained))
-    text = dot(g, trained)
-    if args.dot:
-        Path(args.dot).write_text(text)
-    for path in (args.svg, args.png):
-        if path and not render(text, path):
-            print("somatize show: Graphviz `dot` is not installed; wrote no picture "
-                  "(apt-get install graphviz)", file=sys.stderr)
-            return 1
-    return 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _holes
-from ._errors import ContractError, Lost, MissingInput
+from ._errors import ContractError, Lost, MissingInput, WorkerError
 from ._learning import Learning
 from ._memory import cacheable, check_settled
 from ._naming import cached_here, keep, look_up, naming
@@ -71,7 +71,7 @@ def walk(
     keeper: Any = None,
     naming: bool = False,
     training: bool = False,
-    remote: Any = None,
+    remote: _holes.Runtime | None = None,
     wanted: Iterable[str] | None = None,
     meanwhile: Callable[[], None] | None = None,
 ) -> Outcome:
@@ -245,8 +245,6 @@ def run_graph(graph, input, *, store=None, workers=None, feeds=None, training=Fa
     check_settled(graph)
     keeper = _holes.keeper(store)
     if workers is not None and not isinstance(workers, Mapping):
-        from ._errors import WorkerError
-
         raise WorkerError(f"workers= takes a dict {{host: Worker}}, not a "
                           f"{type(workers).__name__}: e.g. workers={{'gpu': "
                           "Worker.at('127.0.0.1:7000')}}")
@@ -263,6 +261,17 @@ def run_graph(graph, input, *, store=None, workers=None, feeds=None, training=Fa
                naming=naming(graph, keeper, remote), training=training, remote=remote,
                wanted=sinks)
     return output(graph, out.values, sinks)
+
+
+def provision(graph, workers=None) -> None:
+    """``Graph.provision``: send each worker the nodes placed on it and the graph's
+    identity, starting local workers if needed."""
+    _holes.transport().runtime_for(graph, workers).provision(graph)
+
+
+def close(graph) -> None:
+    """``Graph.close``: stop the worker processes this graph's runs started (idempotent)."""
+    _holes.transport().release(graph)
 
 
 def output(graph, values: Mapping[str, Any], sinks: tuple[str, ...] | None = None) -> Any:

@@ -1,5 +1,7 @@
 """The graph: what exists (nodes, edges), who executes it (the catalog), where
 (placement) and what is remembered (memory) — inert facts read off a composition.
+Running and drawing are functions over these facts (``_engine``, ``_describe``); the
+methods that do them here only call those.
 
     g = Graph.somatize(Body().at("gpu") >> Head())
     g.ids, g.edges, g.placement.get("body"), g.plan.waves
@@ -13,7 +15,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from . import _holes
+from . import _describe, _engine
 from ._errors import GraphError
 from ._node import Expr, Node, Par, Seq, as_expr, kind_of
 from ._plan import plan
@@ -123,7 +125,13 @@ class Graph:
     def __repr__(self) -> str:
         return f"Graph({' '.join(f'{p}->{c}' for p, c in self.edges) or ', '.join(self.ids)})"
 
-    # -- running ----------------------------------------------------------------
+    def replace(self, *, catalog: Mapping[str, Any], edges: Iterable[tuple[str, str]],
+                hosts: Mapping[str, str], reports: Mapping[str, str] | None = None) -> Graph:
+        """A graph with these nodes, edges and hosts, remembering what this one does (how
+        a training run's graph is read off the user's: ``_learning.around``)."""
+        return Graph(catalog, edges, Placement(hosts), self.memory, reports)
+
+    # -- what is done with it: functions elsewhere, called from here ----------------
     def forward(self, input: Any = None, store: Any = None, workers: Any = None, *,
                 feeds: Mapping[str, Any] | None = None, training: bool = False) -> Any:
         """Run the graph and return the sink's bare value (``{sink: value}`` for several).
@@ -136,19 +144,17 @@ class Graph:
             feeds: ``{root_id: value}`` to feed roots different inputs.
             training: what ``ctx.training`` says to the nodes.
         """
-        from ._engine import run_graph
-
-        return run_graph(self, input, store=store, workers=workers, feeds=feeds,
-                         training=training)
+        return _engine.run_graph(self, input, store=store, workers=workers, feeds=feeds,
+                                 training=training)
 
     def provision(self, workers: Any = None) -> None:
         """Send each worker the nodes placed on it and the graph's identity (ids, edges,
         placement), starting local workers if needed."""
-        _holes.transport().runtime_for(self, workers).provision(self)
+        _engine.provision(self, workers)
 
     def close(self) -> None:
         """Stop the worker processes this graph's runs started (idempotent)."""
-        _holes.transport().release(self)
+        _engine.close(self)
 
     def __enter__(self) -> Graph:
         return self
@@ -158,15 +164,11 @@ class Graph:
 
     def describe(self, trained: Iterable[str] = ()) -> str:
         """The graph as text: each node with its id, host, stage and memory marks."""
-        from ._describe import describe
-
-        return describe(self, trained)
+        return _describe.describe(self, trained)
 
     def dot(self, trained: Iterable[str] = ()) -> str:
         """The graph as Graphviz DOT, one cluster per stage."""
-        from ._describe import dot
-
-        return dot(self, trained)
+        return _describe.dot(self, trained)
 
     def __getstate__(self):
         state = self.__dict__.copy()

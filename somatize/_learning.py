@@ -139,8 +139,6 @@ def around(graph, trains) -> Any:
     with the last position, so fan-in dicts downstream are keyed as they always were, and
     the node itself still sees ``ctx.node == "body"``.
     """
-    from ._graph import Graph, Placement
-
     catalog: dict[str, Any] = {}
     hosts: dict[str, str] = {}
     edges: list[tuple[str, str]] = []
@@ -162,5 +160,5 @@ def around(graph, trains) -> Any:
             hosts.update(dict.fromkeys(ids, host))
     for p, c in graph.edges:
         edges.append((p, Position(c, IN) if c in trains else c))
-    return Graph(catalog, edges, Placement(hosts), graph.memory,
-                 reports={Position(n, COMPUTES): n for n in trains})
+    return graph.replace(catalog=catalog, edges=edges, hosts=hosts,
+                         reports={Position(n, COMPUTES): n for n in trains})
