@@ -94,3 +94,86 @@ def test_the_check_sees_an_upward_import_inside_a_function():
     assert {(1, "somatize._holes"), (3, "somatize.store"), (5, "somatize.torch"),
             (6, "torch")} <= set(found)
     assert layer_of("somatize.store") == "store" and layer_of("somatize._engine") == "core"
+
+
+# -- no circle inside the core ---------------------------------------------------------
+def _under_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def run_time_imports(source: str, me: str, is_package: bool) -> list[tuple[int, str]]:
+    """``imports_of``, less what sits under ``if TYPE_CHECKING:`` (never imported at run
+    time); imports inside functions count, since calling the function imports them."""
+    tree = ast.parse(source)
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _under_type_checking(node):
+            skipped |= {n.lineno for part in node.body for n in ast.walk(part)
+                        if isinstance(n, (ast.Import, ast.ImportFrom))}
+    return [(line, t) for line, t in imports_of(source, me, is_package) if line not in skipped]
+
+
+def circle(edges: dict[str, set[str]]) -> list[str] | None:
+    """A circle of ``edges`` (module -> the modules it imports) as a path that returns
+    to its start, or None when there is none."""
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+    for start in sorted(edges):
+        if state.get(start):
+            continue
+        path, todo = [start], [iter(sorted(edges[start]))]
+        state[start] = 1
+        while todo:
+            nxt = next(todo[-1], None)
+            if nxt is None:
+                state[path.pop()] = 2
+                todo.pop()
+            elif state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            elif not state.get(nxt):
+                state[nxt] = 1
+                path.append(nxt)
+                todo.append(iter(sorted(edges.get(nxt, ()))))
+    return None
+
+
+def core_imports(sources: dict[str, str]) -> dict[str, set[str]]:
+    """Who imports whom among the core's modules (``somatize._*``), by module name."""
+    return {me: {t for _, t in run_time_imports(src, me, False) if t in sources and t != me}
+            for me, src in sources.items()}
+
+
+def test_the_core_has_no_import_circle():
+    sources = {module_name(p): p.read_text() for p in sorted(PACKAGE.glob("_*.py"))
+               if p.name != "__init__.py"}
+    assert len(sources) > 10
+    found = circle(core_imports(sources))
+    assert found is None, (f"the core imports in a circle: {' -> '.join(found)}. Move what "
+                           "both sides need below both, or pass it in")
+
+
+def test_the_circle_check_sees_a_circle_through_a_function_but_not_type_checking():
+    # the control: the circle the old graph had (_graph -> _engine -> _learning -> _graph),
+    # two of its imports hidden inside functions
+    crafted = {
+        "somatize._graph": "from ._plan import plan\n"
+                           "class Graph:\n    def forward(self):\n"
+                           "        from ._engine import run_graph\n",
+        "somatize._engine": "from ._learning import Learning\n",
+        "somatize._learning": "def around(g):\n    from ._graph import Graph\n",
+        "somatize._plan": "from ._errors import GraphError\n",
+        "somatize._errors": "",
+    }
+    assert circle(core_imports(crafted)) == [
+        "somatize._engine", "somatize._learning", "somatize._graph", "somatize._engine"]
+    # the same import, made for the type checker only, closes no circle
+    crafted["somatize._learning"] = ("from typing import TYPE_CHECKING\n"
+                                     "if TYPE_CHECKING:\n    from ._graph import Graph\n")
+    assert circle(core_imports(crafted)) is None
+    crafted["somatize._learning"] = ("import typing\n"
+                                     "if typing.TYPE_CHECKING:\n    from . import _graph\n")
+    assert circle(core_imports(crafted)) is None
+    # a module importing itself through the package, and a two-step circle
+    assert circle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+    assert circle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
