@@ -13,18 +13,69 @@ transport or the torch adapters: they register here when they are imported, and
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple, Protocol
 
 
-class Runtime(Protocol):
-    """What the engine asks of a transport's runtime (``somatize.remote.Runtime`` is one)."""
+class Pending(Protocol):
+    """A call in flight."""
 
-    def submit(self, stretch: Any) -> Any:
-        """Send a stretch away; ``.result()`` answers its Outcome."""
+    def result(self) -> Any:
+        """Wait for the answer and return it; a worker's failure is raised here, as a
+        ``WorkerError`` naming the worker (or the node's own error type)."""
+
+
+class Spec(Protocol):
+    """How a host's worker is had (``somatize.remote.Worker`` is one)."""
+
+    threads: int | None  # math threads set over there (None: as many as here)
+
+
+class Peer(Protocol):
+    """A worker process of a run, as the layers above read it."""
+
+    device: str  # where placed modules compute over there ("cpu", "cuda:0")
+    pid: int | None  # its process (None until it has answered)
+
+
+class Runtime(Protocol):
+    """A run's workers: every call the layers above make on a transport's runtime
+    (``somatize.remote.Runtime`` is one; tests/test_remote.py checks it against this).
+
+    A call to a host not yet provisioned provisions the run first; a call after
+    ``close()`` raises ``WorkerError`` saying the run is over.
+    """
+
+    peers: Mapping[str, Peer]  # host -> its worker, once started
+    closed: bool  # True once close() ran (or Ctrl-C stopped the run)
+    sent: int  # bytes sent to the workers so far
+    received: int  # bytes received from them so far
+    waited: float  # seconds this process waited on them so far
+
+    def submit(self, stretch: Any) -> Pending:
+        """Send a stretch (``_engine.Stretch``) to its host; ``.result()`` answers its
+        ``_engine.Outcome``, with what cannot travel left there as ``Left``."""
 
     def keeps(self) -> bool:
-        """Whether any worker of the run keeps what it runs."""
+        """Whether any worker of the run keeps what it runs (then values are named)."""
+
+    def provision(self, graph: Any = None) -> None:
+        """Send each worker the nodes of ``graph`` (default: the run's own) placed on it,
+        and the graph's identity; refused over a different catalog."""
+
+    def call(self, host: str, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        """Run ``fn(live, *args, **kw)`` on ``host``'s worker, in order after what was sent
+        to it before, and return its result (``live``: the worker's nodes by id)."""
+
+    def call_async(self, host: str, fn: Callable[..., Any], *args: Any) -> Pending:
+        """``call`` without waiting for the answer."""
+
+    def spec(self, host: str) -> Spec:
+        """How ``host``'s worker is had (as given, torchrun's rank, or embedded)."""
+
+    def close(self) -> None:
+        """End the run: close its sessions and stop the workers nobody else uses
+        (idempotent)."""
 
 
 class Transport(NamedTuple):
@@ -34,8 +85,8 @@ class Transport(NamedTuple):
 
     runtime_for: Callable[[Any, Any], Runtime]  # (graph, workers) -> the graph's runtime
     release: Callable[[Any], None]  # (graph) -> stop the workers it started
-    trace_start: Callable[[Any], dict] | None = None
-    trace_collect: Callable[..., list] | None = None
+    trace_start: Callable[[Runtime], dict] | None = None
+    trace_collect: Callable[..., list] | None = None  # (runtime, offsets, end=False)
 
 
 _filled: dict[str, Any] = {"keeper": None, "transport": None}

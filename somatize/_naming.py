@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ._holes import Runtime
 from ._keys import changed, fingerprint, key_of_input, key_of_node
 from ._memory import state_digest
 from ._node import kind_of
@@ -21,7 +22,7 @@ from ._say import say_once
 from ._values import Opaque, bare, codec_for
 
 
-def naming(graph, keeper: Any, runtime: Any) -> bool:
+def naming(graph, keeper: Any, runtime: Runtime | None) -> bool:
     """Whether a run names its values: something is cached and can be kept, here (a
     keeper) or on a worker that keeps (said once when something cached cannot be)."""
     if not graph.memory.cached:
