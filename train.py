@@ -1,5 +1,8 @@
-"""Train the example (a plain LightningModule: an encoder, ``body``, and a classifier
-``head`` on scikit-learn's digits) with Lightning, configured by Hydra (configs/train.yaml).
+"""Train the example (``examples/digits.py``, a plain LightningModule: an encoder, ``body``,
+and a classifier ``head`` on scikit-learn's digits) with Lightning, configured by Hydra
+(configs/train.yaml). This file sits at the repository root, so the root is on
+``sys.path`` and ``examples.digits`` imports here, in torchrun's ranks (the same script)
+and in the workers somatize starts (they get this process's ``sys.path``).
 
     python train.py                                  # in one piece, here
     python train.py trainer.max_epochs=3 model.lr=0.2

@@ -11,8 +11,8 @@ import sys
 import lightning.pytorch as pl
 import torch
 
+from examples.digits import DigitsData, DigitsModel
 from somatize.lightning import SomatizeCache, SomatizeStrategy
-from somatize.lightning.digits import DigitsData, DigitsModel
 
 
 class Losses(pl.Callback):

@@ -12,10 +12,10 @@ import sys
 import lightning.pytorch as pl
 import torch
 
+from examples.digits import DigitsData
+from examples.digits_graph import Body, DigitsGraphModel
 from somatize import Done, Graph, Node, Opaque
 from somatize.lightning import SomatizeStrategy
-from somatize.lightning.digits import DigitsData
-from somatize.lightning.digits_graph import Body, DigitsGraphModel
 from somatize.remote import Worker
 from somatize.torch import GraphModule
 
@@ -179,7 +179,7 @@ def lost_checkpoint(out):
 
 def standing(out, address):
     """One process: a graph through somatize.remote, then Lightning on a standing worker."""
-    from somatize.lightning.digits_graph import Head
+    from examples.digits_graph import Head
 
     x = torch.rand(4, 64)
     with Graph.somatize(Body().at("worker") >> Head()) as g:
@@ -205,7 +205,7 @@ class Encoded(DigitsGraphModel):
 
     def __init__(self):
         super().__init__(lr=0.5)
-        from somatize.lightning.digits_graph import Head
+        from examples.digits_graph import Head
 
         self.net = GraphModule(Graph.somatize(
             Counted().named("body").at("worker").frozen().cached() >> Head()))

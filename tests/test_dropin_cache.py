@@ -15,9 +15,9 @@ import torch.distributed.rpc as rpc
 from cache_runs import fit
 from lightning.pytorch.loggers import CSVLogger
 
+from examples.digits import DigitsData, DigitsModel
 from somatize import Refused
 from somatize.lightning import SomatizeCache, SomatizeStrategy
-from somatize.lightning.digits import DigitsData, DigitsModel
 from somatize.store import Store
 from somatize.torch._cached import CachedForward
 

@@ -35,7 +35,7 @@ def test_the_default_config_trains_in_one_piece_and_overrides_apply():
 def test_the_example_model_is_plain_lightning_its_file_imports_nothing_from_somatize():
     import ast
 
-    import somatize.lightning.digits as digits
+    import examples.digits as digits
 
     tree = ast.parse(open(digits.__file__).read())
     imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]

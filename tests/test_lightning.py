@@ -8,10 +8,10 @@ import pytest
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
+from examples.digits import DigitsData
+from examples.digits_graph import DigitsGraphModel, digits_graph
 from somatize import Refused
 from somatize.lightning import SomatizeCache, SomatizeStrategy
-from somatize.lightning.digits import DigitsData
-from somatize.lightning.digits_graph import DigitsGraphModel, digits_graph
 from somatize.torch import GraphModule
 
 

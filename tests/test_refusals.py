@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from examples.digits import DigitsData
+from examples.digits_graph import Body, Head
 from somatize import Done, Graph, Node, Opaque, Refused
 from somatize.lightning import SomatizeStrategy
-from somatize.lightning.digits import DigitsData
-from somatize.lightning.digits_graph import Body, Head
 from somatize.torch import GraphModule, Split, Trainer
 
 

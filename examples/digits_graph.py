@@ -15,10 +15,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .._graph import Graph
-from .._node import Node
-from .._values import Done, Opaque
-from ..torch import GraphModule
+from somatize import Done, Graph, Node, Opaque
+from somatize.torch import GraphModule
 
 log = logging.getLogger(__name__)
 

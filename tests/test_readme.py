@@ -1,0 +1,32 @@
+"""The README's first screen runs as written (in a fresh process: RPC starts once per
+process): the backbone placed on a worker trains there, and the probe over it, cached,
+reads the backbone's outputs back from the store."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+CHECK = """
+import os
+ran = trainer.strategy.where()[""]["backbone"]
+assert ran and os.getpid() not in ran, ran
+print("backbone ran in", sorted(ran), "cache", cache.hits, cache.misses)
+"""
+
+
+def test_the_readmes_first_example_places_the_backbone_then_reads_it_from_the_store(tmp_path):
+    readme = (ROOT / "README.md").read_text()
+    code = re.search(r"```python\n(.*?)```", readme, re.S).group(1)
+    assert readme[:readme.index(code)].count("\n") < 10, "the example opens the README"
+    done = subprocess.run([sys.executable, "-c", code + CHECK], cwd=tmp_path, env=ENV,
+                          capture_output=True, text=True, timeout=240)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    # 8 batches of 64 a epoch, 3 epochs, the same batches each time: computed once, then read
+    assert "cache 16 8" in done.stdout, out[-3000:]
+    assert any((tmp_path / ".soma" / "names" / "value").iterdir())
