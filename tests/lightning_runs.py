@@ -137,7 +137,7 @@ class Kill(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 2:
-            proc = trainer.strategy.runs["net"].runtime.peers["worker"].proc
+            proc = trainer.strategy.session("net").runtime.peers["worker"].proc
             proc.kill()
             proc.wait(timeout=30)
 
@@ -218,8 +218,8 @@ class RunsOverThere(pl.Callback):
         self.counts = []
 
     def on_train_epoch_end(self, trainer, pl_module):
-        rt = trainer.strategy.runs["net"].runtime
-        self.counts.append(rt.call("worker", lambda live: live["body"].runs))
+        session = trainer.strategy.session("net")
+        self.counts.append(session.call("worker", lambda live: live["body"].runs))
 
 
 def worker_keeps(out, store):

@@ -26,7 +26,7 @@ import torch
 from .._errors import Refused
 from .._graph import Graph, Placement
 from ..torch._placed import Link, Placed
-from ..torch._step import Step
+from ..torch._session import Session
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +68,10 @@ class DropIn:
                     "Adam, AdamW...) for the placed modules")
         graph = Graph({p: Placed(m) for p, m in self.modules.items()}, [],
                       Placement(dict(place)))
-        self.step = Step(graph, workers=workers)  # sends each module, as it is now, once
-        self.links = {p: Link(self.step, p, m, place[p], here) for p, m in self.modules.items()}
+        # one node per module, no edges: how each module, as it is now, is sent once
+        self.session = Session(graph, workers=workers)
+        self.links = {p: Link(self.session, p, m, place[p], here)
+                      for p, m in self.modules.items()}
         # per (optimizer index, path): the optimizer's groups holding placed parameters,
         # with those parameters' names inside the module
         self.groups: dict[tuple[int, str], list] = {}
@@ -335,7 +337,8 @@ class DropIn:
             self.links[path].load_optimizer(i, by_name)
 
     def where(self) -> dict[str, dict[int, int]]:
-        return self.step.where()
+        """Which processes ran each placed module, and how often: ``{path: {pid: times}}``."""
+        return self.session.where()
 
     def settle(self) -> None:
         """Wait for the backwards still in flight over there."""
@@ -356,7 +359,7 @@ class DropIn:
             for target in getattr(self, "_wrapped", []):
                 for attr in ("clip_grad_by_norm", "clip_grad_by_value", "unscale_", "step"):
                     target.__dict__.pop(attr, None)
-            self.step.close()
+            self.session.close()
 
     def _trained_by(self, i: int) -> list[str]:
         """The placed modules optimizer ``i`` here trains (by a mirror or the user's own)."""
