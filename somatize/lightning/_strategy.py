@@ -26,8 +26,9 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from typing_extensions import override
 
 from .. import _trace
-from .._errors import Refused, WorkerError
+from .._errors import WorkerError
 from .._trace import span
+from ..torch._refuse import refuse_unknown
 from ..torch._session import Session, lost_error, refuse_devices
 from ..torch._tracer import Tracer
 from ._callback import graph_modules
@@ -151,13 +152,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
         for route in old:  # a fit that ended without teardown (an exception in setup)
             route.close(pull=False)
         names = {kind: kind.names(self, model) for kind in ROUTES}
-        known = {n for ns in names.values() for n in ns}
-        unknown = sorted(set(self.trains) - known)
-        if unknown:
-            raise Refused(
-                f"trains names {unknown}, which are not in the graph nor placed: key trains "
-                f"by a GraphModule node's id {sorted(n for k in ROUTES[1:] for n in names[k])}"
-                f" or, with place=, by a placed module's path {sorted(self.place)}")
+        refuse_unknown(self.trains, GraphRoute.names(self, model), self.place)
         # the new sessions first: the worker processes of the old ones are reused
         for kind in ROUTES:
             mine = {n: t for n, t in self.trains.items() if n in names[kind]}

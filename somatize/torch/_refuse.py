@@ -68,15 +68,21 @@ def refuse(graph: Graph, trains: Mapping[str, Any],
             "parameters(g, without=trains)")
 
 
-def refuse_unknown(trains: Iterable[str], ids: Iterable[str]) -> None:
-    """Refuse ``trains`` naming nodes that are not among ``ids``."""
-    ids = list(ids)
-    unknown = sorted(set(trains) - set(ids))
-    if unknown:
+def refuse_unknown(trains: Iterable[str], ids: Iterable[str], placed: Iterable[str] = ()
+                   ) -> None:
+    """Refuse ``trains`` naming nodes that are not among ``ids`` (nor among ``placed``,
+    the paths of submodules placed by name)."""
+    ids, placed = list(ids), sorted(placed)
+    unknown = sorted(set(trains) - set(ids) - set(placed))
+    if unknown and not placed:
         raise Refused(
             f"trains names {unknown}, which are not in the graph; its nodes are {ids}. Key "
             "trains by node id (a node's id is its class name in lower case, or what "
             ".named('...') says)")
+    if unknown:
+        raise Refused(
+            f"trains names {unknown}, which are not in the graph nor placed: key trains by "
+            f"a placed module's path {placed}, or by a GraphModule node's id {ids}")
 
 
 def settle(graph: Graph) -> None:
