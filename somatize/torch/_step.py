@@ -18,7 +18,6 @@ is walked through by autograd, one call per stage.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -30,14 +29,21 @@ from .._graph import Graph
 from .._learning import IN, Envelope, Learning, Position, around, node_of
 from .._memory import params_of
 from .._naming import naming
-from .._node import Ctx
 from .._stages import stages
 from .._trace import span
 from .._values import Opaque, bare
-from ._freeze import state_of
 from ._refuse import refuse, settle
 from ._session import Session, check_workers
 from ._split import narrowed
+from ._trainer_calls import (
+    _feeds_back,
+    _forget_trainers,
+    _learn,
+    _load_trainer,
+    _read_trainer,
+    _step_trainers,
+    restore,
+)
 
 
 class Step:
@@ -134,17 +140,30 @@ class Step:
 
     def _staged(self, inputs: Mapping[str, Any], meanwhile) -> tuple[Any, dict[str, Any]]:
         fed: dict[Any, Any] = {}
+        made: dict[Any, Any] = {}  # node -> (value, its leaf); a trained root's input
         for r, x in inputs.items():
+            if r in self.trains and _asks_grad(x):
+                # an input with history here (a module before the graph): dL/dx goes back
+                made[Position(r, IN)] = bare(x)
+                self._feed_back(r)
             if r in self.owed:
                 fed[Position(r, IN)] = Envelope(self.owed.pop(r), x)
             else:
                 fed[Position(r, IN) if r in self.trains else r] = x
         handed: dict[str, Any] = {}  # each value as later stages (and the objective) got it
-        made: dict[str, Any] = {}  # node -> (value, its leaf)
         for k in range(len(self.orders)):
             self._count(self.stage_forward(k, fed, handed, made,
                                            meanwhile if k == 0 else None))
         return output(self.graph, handed, self.sinks), made
+
+    def _feed_back(self, r: str) -> None:
+        """Have root ``r``'s trainer answer dL/d(its input) from now on, here and where it
+        stands (it was built not to when nothing upstream of it trains)."""
+        trainer = self.trains[r]
+        if not trainer.feeds_back:
+            trainer.feeds_back = True
+            self.deferrable.discard(r)
+            self._at(r, _feeds_back, r)
 
     def stage_forward(self, k: int, fed: Mapping[Any, Any], handed: dict[str, Any],
                       made: dict[str, Any], meanwhile: Callable[[], None] | None = None
@@ -200,6 +219,8 @@ class Step:
         trainer's gradient waits for the next step's input."""
         preds = self.graph.preds
 
+        back: list[tuple[Any, Any]] = []  # (value here, dL/d(value)) for autograd
+
         def signal(n: str) -> Any:
             leaf = made[n][1] if made.get(n) else None
             return _plus(None if leaf is None else leaf.grad, owed.pop(n, None))
@@ -213,7 +234,10 @@ class Step:
             if grad_in is not None and preds[n]:
                 (p,) = preds[n]
                 owed[p] = _plus(owed.get(p), grad_in)
-        values, grads = [], []
+            elif grad_in is not None and made.get(Position(n, IN)) is not None:
+                fed_in = made[Position(n, IN)]  # a root fed a value with history here
+                back.append((fed_in, grad_in.to(fed_in.device)))
+        values, grads = [v for v, _ in back], [g for _, g in back]
         for n in self.through[k]:
             if not made.get(n) or not made[n][0].requires_grad:
                 continue
@@ -315,48 +339,7 @@ class Step:
         return self.session.call(host, fn, *args)
 
 
-# -- run where the trainers live, against that process's live graph --------------------
-
-def _learn(live: Graph, n: str, signal: Any) -> Any:
-    """Hand trainer ``n`` dL/d(its node's output); answer dL/d(its input) or None."""
-    return live.catalog[n].learn(signal, Ctx(n, live.placement.get(n), True))
-
-
-def _step_trainers(live: Graph, names: list[str]) -> None:
-    for n in names:
-        live.catalog[n].step()
-
-
-def _forget_trainers(live: Graph, names: list[str]) -> None:
-    for n in names:
-        live.catalog[n].forget()
-
-
-def _read_trainer(live: Graph, n: str) -> dict:
-    trainer = live.catalog[n]
-    return {"node": snapshot(trainer.node), "trainer": copy.deepcopy(trainer.state_dict())}
-
-
-def _load_trainer(live: Graph, n: str, weights: Mapping[str, Any], state: dict) -> None:
-    trainer = live.catalog[n]
-    restore(trainer.node, weights)
-    trainer.load_state_dict(state)
-
-
 # -- small pieces ----------------------------------------------------------------------
-
-def snapshot(node: Any) -> dict[str, torch.Tensor]:
-    """A copy of a node's state, by name."""
-    return {k: t.detach().clone() for k, t in state_of(node)}
-
-
-def restore(node: Any, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``weights`` (by name) into a node's state."""
-    with torch.no_grad():
-        for k, t in state_of(node):
-            if k in weights:
-                t.copy_(weights[k])
-
 
 def _trainable(graph: Graph, n: str) -> bool:
     return n not in graph.memory.frozen and any(p.requires_grad for p in params_of(graph[n]))
@@ -371,6 +354,12 @@ def _leaf(value: Any, trained: bool) -> tuple[Any, tuple[torch.Tensor, torch.Ten
         return value, None
     leaf = t.detach().requires_grad_()
     return (Opaque(leaf) if isinstance(value, Opaque) else leaf), (t, leaf)
+
+
+def _asks_grad(value: Any) -> bool:
+    t = bare(value)
+    return (torch.is_grad_enabled() and isinstance(t, torch.Tensor) and t.requires_grad
+            and t.is_floating_point())
 
 
 def _plus(a: Any, b: Any) -> Any:
