@@ -307,6 +307,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
             if any(route.trains for route in self.routes):
                 # what was trained over there since the last checkpoint is gone with it
                 self._lost = str(exception).splitlines()[0]
+                exception.add_note(f"Under SomatizeStrategy: {_RESUME}")
 
     @override
     def teardown(self) -> None:
