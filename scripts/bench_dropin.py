@@ -64,9 +64,9 @@ class Clock(pl.Callback):
         self._in_step = False
 
     def on_train_start(self, trainer, pl_module):
-        dropin = getattr(trainer.strategy, "dropin", None)
-        if dropin is not None:  # count what the strategy asks of the worker
-            runtime = dropin.step.runtime
+        session = getattr(trainer.strategy, "session", lambda _: None)("encoder")
+        if session is not None:  # count what the strategy asks of the worker
+            runtime = session.runtime
             for name in ("call", "call_async"):  # every message, waited for or not
                 setattr(runtime, name, self._counting(getattr(runtime, name)))
 
@@ -93,10 +93,10 @@ class Clock(pl.Callback):
         self._last = now
 
     def on_train_epoch_end(self, trainer, pl_module):
-        dropin = getattr(trainer.strategy, "dropin", None)
-        if dropin is None or trainer.current_epoch == 0:
+        session = getattr(trainer.strategy, "session", lambda _: None)("encoder")
+        if session is None or trainer.current_epoch == 0:
             return
-        runtime = dropin.step.runtime
+        runtime = session.runtime
         peer = runtime.peers["worker"]
         self.round_trips.append(median_ms(lambda: rpc.rpc_sync(peer.name, _serve.noop),
                                           self.repeats))

@@ -50,14 +50,17 @@ def weights(model):
 
 
 class Where(pl.Callback):
-    """Where the body trained: did its weights in this process move during fit, which
-    process answers for the worker, and how many tensors Lightning's optimizers hold."""
+    """Where the body trained: did its weights in this process move during a training
+    step (the strategy brings them here at epoch ends), which process answers for the
+    worker, and how many tensors Lightning's optimizers hold."""
 
     def on_train_start(self, trainer, pl_module):
-        self.start = pl_module.net.nodes["body"].lin.weight.detach().clone()
         self.moved_here = False
         self.held = sum(len(g["params"]) for o in trainer.optimizers for g in o.param_groups)
         self.body_pids = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.start = pl_module.net.nodes["body"].lin.weight.detach().clone()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.moved_here |= not torch.equal(pl_module.net.nodes["body"].lin.weight, self.start)
@@ -137,7 +140,7 @@ class Kill(pl.Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 2:
-            proc = trainer.strategy.runs["net"].runtime.peers["worker"].proc
+            proc = trainer.strategy.session("net").runtime.peers["worker"].proc
             proc.kill()
             proc.wait(timeout=30)
 
@@ -218,8 +221,8 @@ class RunsOverThere(pl.Callback):
         self.counts = []
 
     def on_train_epoch_end(self, trainer, pl_module):
-        rt = trainer.strategy.runs["net"].runtime
-        self.counts.append(rt.call("worker", lambda live: live["body"].runs))
+        session = trainer.strategy.session("net")
+        self.counts.append(session.call("worker", lambda live: live["body"].runs))
 
 
 def worker_keeps(out, store):

@@ -37,9 +37,9 @@ def test_split_training_through_lightning_equals_one_piece_bit_for_bit(tmp_path,
     assert plain.keys() == split.keys()
     for k in plain:
         assert torch.equal(split[k], plain[k]), k
-    # and the body really trained over there: its weights here never moved during fit
-    # (they are read back at the end), another process ran it, Lightning's optimizer
-    # held the head only, and the strategy said it took the body's weights out
+    # and the body really trained over there: its weights here never moved during a
+    # training step (they are read back at epoch ends), another process ran it, Lightning's
+    # optimizer held the head only, and the strategy said it took the body's weights out
     where = got["where"]
     assert where["plain"]["moved_here"] and where["plain"]["held"] == 4
     assert not where["split"]["moved_here"] and where["split"]["held"] == 2

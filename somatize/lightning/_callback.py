@@ -238,13 +238,13 @@ class SomatizeCache(pl.Callback):
     def _counts_of(self, path: str, cached: CachedForward) -> tuple[int, int]:
         """Where the module runs: read here, or over there through the strategy."""
         strategy = self._trainer.strategy if self._trainer is not None else None
-        dropin = getattr(strategy, "dropin", None)
         where = _placed_on(getattr(strategy, "place", None) or {}, path)
-        if dropin is None or where is None:
+        session = strategy.session(where[1]) if where is not None else None
+        if session is None:
             return cached.hits, cached.misses
         host, placed = where
         inside = path[len(placed) + 1:]
-        return tuple(dropin.step.runtime.call(host, counts_there, placed, inside))
+        return tuple(session.call(host, counts_there, placed, inside))
 
     @override
     def state_dict(self) -> dict[str, Any]:

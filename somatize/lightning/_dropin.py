@@ -16,7 +16,6 @@ validation and checkpoints, at teardown, and on ``trainer.strategy.sync()``.
 
 from __future__ import annotations
 
-import difflib
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -26,7 +25,8 @@ import torch
 from .._errors import Refused
 from .._graph import Graph, Placement
 from ..torch._placed import Link, Placed
-from ..torch._step import Step
+from ..torch._session import Session
+from ._placing import placed_modules, refuse_tied
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +47,14 @@ class DropIn:
                  optimizers: list, workers: Any = None, lightning_optimizers: list = (),
                  precision: Any = None, here: Any = None,
                  trains: Mapping[str, Any] | None = None, schedulers: list = ()):
-        self.modules = _resolve(model, place)
+        self.modules = placed_modules(model, place)
         trains = dict(trains or {})
         odd = sorted(set(trains) - set(self.modules))
         if odd:
             raise Refused(
                 f"trains names {odd}, which are not placed modules; with place= key trains by "
                 f"the placed modules' paths: {sorted(self.modules)}")
-        _refuse_tied(model, self.modules)
+        refuse_tied(model, self.modules)
         self.optimizers = list(optimizers)
         placed = {id(p) for m in self.modules.values() for p in m.parameters()}
         for opt in self.optimizers:
@@ -68,8 +68,10 @@ class DropIn:
                     "Adam, AdamW...) for the placed modules")
         graph = Graph({p: Placed(m) for p, m in self.modules.items()}, [],
                       Placement(dict(place)))
-        self.step = Step(graph, workers=workers)  # sends each module, as it is now, once
-        self.links = {p: Link(self.step, p, m, place[p], here) for p, m in self.modules.items()}
+        # one node per module, no edges: how each module, as it is now, is sent once
+        self.session = Session(graph, workers=workers)
+        self.links = {p: Link(self.session, p, m, place[p], here)
+                      for p, m in self.modules.items()}
         # per (optimizer index, path): the optimizer's groups holding placed parameters,
         # with those parameters' names inside the module
         self.groups: dict[tuple[int, str], list] = {}
@@ -335,7 +337,8 @@ class DropIn:
             self.links[path].load_optimizer(i, by_name)
 
     def where(self) -> dict[str, dict[int, int]]:
-        return self.step.where()
+        """Which processes ran each placed module, and how often: ``{path: {pid: times}}``."""
+        return self.session.where()
 
     def settle(self) -> None:
         """Wait for the backwards still in flight over there."""
@@ -356,7 +359,7 @@ class DropIn:
             for target in getattr(self, "_wrapped", []):
                 for attr in ("clip_grad_by_norm", "clip_grad_by_value", "unscale_", "step"):
                     target.__dict__.pop(attr, None)
-            self.step.close()
+            self.session.close()
 
     def _trained_by(self, i: int) -> list[str]:
         """The placed modules optimizer ``i`` here trains (by a mirror or the user's own)."""
@@ -366,40 +369,3 @@ class DropIn:
     def _index(self, optimizer: Any) -> int | None:
         raw = getattr(optimizer, "_optimizer", optimizer)
         return next((i for i, o in enumerate(self.optimizers) if o is raw), None)
-
-
-def _resolve(model: torch.nn.Module, place: Mapping[str, str]) -> dict[str, torch.nn.Module]:
-    names = [n for n, _ in model.named_modules() if n]
-    out = {}
-    for path, host in place.items():
-        if not isinstance(host, str) or not host:
-            raise Refused(f"place[{path!r}] = {host!r}: name the worker it runs on, e.g. "
-                          f"place={{{path!r}: 'worker'}}")
-        try:
-            m = model.get_submodule(path) if path else model
-        except AttributeError:
-            near = difflib.get_close_matches(path, names, n=5) or names[:8]
-            raise Refused(
-                f"place names {path!r}, which is not a submodule of {type(model).__name__}; "
-                f"its submodules include {near}. Give paths as get_submodule takes them "
-                "('encoder', 'model.transformer')") from None
-        if m is model:
-            raise Refused("place names the LightningModule itself: place one of its submodules "
-                          f"(e.g. {names[:3]}); its training_step and loss stay here")
-        out[path] = m
-    for a in out:
-        for b in out:
-            if a != b and b.startswith(a + "."):
-                raise Refused(f"place names {a!r} and {b!r}, which is inside it: place one")
-    return out
-
-
-def _refuse_tied(model: torch.nn.Module, modules: Mapping[str, torch.nn.Module]) -> None:
-    owner = {id(p): path for path, m in modules.items() for p in m.parameters()}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        path = owner.get(id(p))
-        if path is not None and not (name == path or name.startswith(path + ".")):
-            raise Refused(
-                f"parameter {name!r} is the same tensor as one inside {path!r}, which is "
-                "placed on a worker: a weight tied across the cut would be trained in two "
-                f"places. Untie it, or place a module that holds both ({name!r} and {path!r})")

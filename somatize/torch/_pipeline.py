@@ -40,6 +40,7 @@ import logging
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -53,26 +54,38 @@ log = logging.getLogger(__name__)
 _NOTHING = object()
 
 
+class Kind(str, Enum):
+    """What an action does: F a stage's forward, L the objective and its backward into
+    the last stage, B a stage's backward."""
+
+    F = "F"
+    L = "L"
+    B = "B"
+
+
 @dataclass(frozen=True)
 class Action:
-    """One thing the schedule does: ``kind`` F (forward), L (objective), B (backward) of
-    ``stage`` (L: the last) for micro-batch ``piece``."""
+    """One thing the schedule does: ``kind`` (``Kind``: F, L, B) of ``stage`` (L: the
+    last) for micro-batch ``piece``. ``Action(Kind.F, 0, 1)`` reads as ``Kind.F``."""
 
-    kind: str
+    kind: Kind
     stage: int
     piece: int
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", Kind(self.kind))
+
     def __repr__(self) -> str:
-        return f"{self.kind}{self.stage}({self.piece})"
+        return f"{self.kind.value}{self.stage}({self.piece})"
 
 
 def in_order(stages: int, pieces: int) -> list[Action]:
     """Each piece forward through every stage, its objective, and back, one after another."""
     out = []
     for i in range(pieces):
-        out += [Action("F", s, i) for s in range(stages)]
-        out.append(Action("L", stages - 1, i))
-        out += [Action("B", s, i) for s in reversed(range(stages))]
+        out += [Action(Kind.F, s, i) for s in range(stages)]
+        out.append(Action(Kind.L, stages - 1, i))
+        out += [Action(Kind.B, s, i) for s in reversed(range(stages))]
     return out
 
 
@@ -84,10 +97,10 @@ def one_f_one_b(stages: int, pieces: int, lanes: Iterable[int] = ()) -> list[Act
     seqs = []
     for s in range(stages):
         ahead = min(stages - 1 - s, pieces)
-        seq = [Action("F", s, i) for i in range(ahead)]
+        seq = [Action(Kind.F, s, i) for i in range(ahead)]
         for j in range(pieces - ahead):
-            seq += [Action("F", s, ahead + j), Action("B", s, j)]
-        seq += [Action("B", s, i) for i in range(pieces - ahead, pieces)]
+            seq += [Action(Kind.F, s, ahead + j), Action(Kind.B, s, j)]
+        seq += [Action(Kind.B, s, i) for i in range(pieces - ahead, pieces)]
         seqs.append(seq)
     at = [0] * stages
     slot_of: dict[Action, int] = {}
@@ -103,12 +116,12 @@ def one_f_one_b(stages: int, pieces: int, lanes: Iterable[int] = ()) -> list[Act
             at[s] += 1
             slot_of[a] = slot
             timeline.append(a)
-            if a.kind == "F" and s == stages - 1:  # the objective follows the last forward
-                slot_of[Action("L", s, a.piece)] = slot
-                timeline.append(Action("L", s, a.piece))
+            if a.kind == Kind.F and s == stages - 1:  # the objective follows the last forward
+                slot_of[Action(Kind.L, s, a.piece)] = slot
+                timeline.append(Action(Kind.L, s, a.piece))
         slot += 1
     lanes = set(lanes)
-    queued = {s: [a for a in timeline if a.stage == s and a.kind != "L"] for s in lanes}
+    queued = {s: [a for a in timeline if a.stage == s and a.kind != Kind.L] for s in lanes}
     out: list[Action] = []
     done: set[Action] = set()
 
@@ -124,7 +137,7 @@ def one_f_one_b(stages: int, pieces: int, lanes: Iterable[int] = ()) -> list[Act
 
     send_ready()
     for a in timeline:
-        if a.stage in lanes and a.kind != "L":
+        if a.stage in lanes and a.kind != Kind.L:
             continue
         out.append(a)
         done.add(a)
@@ -205,7 +218,7 @@ class Pipeline:
         sent: dict[Action, Future] = {}
         try:
             for a in self.schedule:
-                if a.stage in self.lanes and a.kind != "L":
+                if a.stage in self.lanes and a.kind != Kind.L:
                     sent[a] = self.lanes[a.stage].send(self._act, a, pieces, objective, sent)
                 else:
                     self._act(a, pieces, objective, sent)
@@ -224,11 +237,11 @@ class Pipeline:
         for need in _needs(a, len(self.step.orders)):
             if need in sent:
                 sent[need].result()  # made on a lane: wait for it (here or on another lane)
-        if a.kind == "F" and not step.orders:  # nothing trained where it runs: one walk
+        if a.kind == Kind.F and not step.orders:  # nothing trained where it runs: one walk
             p.out = step.forward(p.fed)
-        elif a.kind == "F":
+        elif a.kind == Kind.F:
             step._count(step.stage_forward(a.stage, p.fed, p.handed, p.made))
-        elif a.kind == "L":
+        elif a.kind == Kind.L:
             out = output(step.graph, p.handed, step.sinks) if p.out is _NOTHING else p.out
             loss = objective(out, p.target)
             loss = loss / self.pieces
@@ -272,13 +285,13 @@ class Pipeline:
 
 
 def _needs(a: Action, stages: int) -> list[Action]:
-    if a.kind == "F":
-        return [Action("F", a.stage - 1, a.piece)] if a.stage > 0 else []
-    if a.kind == "L":
-        return [Action("F", a.stage, a.piece)]
+    if a.kind == Kind.F:
+        return [Action(Kind.F, a.stage - 1, a.piece)] if a.stage > 0 else []
+    if a.kind == Kind.L:
+        return [Action(Kind.F, a.stage, a.piece)]
     if a.stage == stages - 1:
-        return [Action("L", a.stage, a.piece)]
-    return [Action("B", a.stage + 1, a.piece)]
+        return [Action(Kind.L, a.stage, a.piece)]
+    return [Action(Kind.B, a.stage + 1, a.piece)]
 
 
 def cut(value: Any, k: int, what: str) -> list[Any]:

@@ -18,28 +18,32 @@ is walked through by autograd, one call per stage.
 
 from __future__ import annotations
 
-import copy
-import threading
-from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
-from .. import _holes
 from .._engine import Outcome, output, walk
-from .._errors import NoGradient, Refused, WorkerError
+from .._errors import NoGradient, Refused
 from .._graph import Graph
 from .._learning import IN, Envelope, Learning, Position, around, node_of
-from .._memory import cacheable, check_settled, params_of
+from .._memory import params_of
 from .._naming import naming
-from .._node import Ctx, kind_of
-from .._stages import levels, stages
+from .._stages import stages
 from .._trace import span
 from .._values import Opaque, bare
-from ._freeze import freeze, state_of
-from ._math import math_flags, set_math_live
+from ._refuse import refuse, settle
+from ._session import Session, check_workers
 from ._split import narrowed
+from ._trainer_calls import (
+    _feeds_back,
+    _forget_trainers,
+    _learn,
+    _load_trainer,
+    _read_trainer,
+    _step_trainers,
+    restore,
+)
 
 
 class Step:
@@ -64,10 +68,7 @@ class Step:
                  optimizers: Iterable[torch.optim.Optimizer] = (), defer: bool = True,
                  micro_batches: int = 1):
         self.graph = graph
-        if workers is not None and not isinstance(workers, Mapping):
-            raise WorkerError(f"workers= takes a dict {{host: Worker}}, not a "
-                              f"{type(workers).__name__}: e.g. workers={{'gpu': "
-                              "Worker.at('127.0.0.1:7000')}}")
+        check_workers(workers)
         self.trains: dict[str, Learning] = dict(trains or {})
         optimizers = [o for o in optimizers if o is not None]
         refuse(graph, self.trains, optimizers)
@@ -79,23 +80,16 @@ class Step:
         for n, trainer in self.trains.items():  # so is this: a copy over there reads it
             trainer.feeds_back = any(
                 a in self.trains or _trainable(graph, a) for a in graph.ancestors(n))
-        self.keeper = _holes.keeper(store)
         # the graph that runs (trainers around their nodes): this step's own object, so the
         # runtime the transport holds for it is this step's alone (its own session)
         self.running = around(graph, self.trains) if self.trains else Graph(
             graph.catalog, graph.edges, graph.placement, graph.memory)
-        self.runtime = None
-        if self.running.placement.hosts:
-            self.runtime = _holes.transport().runtime_for(self.running, workers)
-            self.runtime.provision(self.running)
+        self.session = Session(self.running, workers=workers, store=store)
+        self.keeper = self.session.keeper
         self.naming = naming(graph, self.keeper, self.runtime)
-        self._math: dict[str, tuple] = {}  # per host: the math settings as last sent
-        self._math_sent: list = []  # those calls, answered or not
         self.sinks = graph.sinks
         self.made: dict[str, Any] | None = None  # the forward awaiting its backward
         self.owed: dict[str, Any] = {}  # gradients deferred to the next step's input
-        self.ran: dict[str, Counter] = {}  # node -> {pid of the process that ran it: times}
-        self._counting = threading.Lock()
         self._plan_stages(defer)
 
     def _plan_stages(self, defer: bool) -> None:
@@ -146,17 +140,30 @@ class Step:
 
     def _staged(self, inputs: Mapping[str, Any], meanwhile) -> tuple[Any, dict[str, Any]]:
         fed: dict[Any, Any] = {}
+        made: dict[Any, Any] = {}  # node -> (value, its leaf); a trained root's input
         for r, x in inputs.items():
+            if r in self.trains and _asks_grad(x):
+                # an input with history here (a module before the graph): dL/dx goes back
+                made[Position(r, IN)] = bare(x)
+                self._feed_back(r)
             if r in self.owed:
                 fed[Position(r, IN)] = Envelope(self.owed.pop(r), x)
             else:
                 fed[Position(r, IN) if r in self.trains else r] = x
         handed: dict[str, Any] = {}  # each value as later stages (and the objective) got it
-        made: dict[str, Any] = {}  # node -> (value, its leaf)
         for k in range(len(self.orders)):
             self._count(self.stage_forward(k, fed, handed, made,
                                            meanwhile if k == 0 else None))
         return output(self.graph, handed, self.sinks), made
+
+    def _feed_back(self, r: str) -> None:
+        """Have root ``r``'s trainer answer dL/d(its input) from now on, here and where it
+        stands (it was built not to when nothing upstream of it trains)."""
+        trainer = self.trains[r]
+        if not trainer.feeds_back:
+            trainer.feeds_back = True
+            self.deferrable.discard(r)
+            self._at(r, _feeds_back, r)
 
     def stage_forward(self, k: int, fed: Mapping[Any, Any], handed: dict[str, Any],
                       made: dict[str, Any], meanwhile: Callable[[], None] | None = None
@@ -177,28 +184,21 @@ class Step:
             handed[n], made[n] = _leaf(out.values[n], n in self.trains)
         return out
 
+    @property
+    def runtime(self) -> Any:
+        """The runtime the placed nodes run on (its session's; None when nothing is placed)."""
+        return self.session.runtime
+
     def follow_math(self) -> None:
-        """Send each worker this process's math settings (threads, TF32, deterministic
-        algorithms...) when they changed since: an ordered call, so it runs over there
-        before the stretches sent after it. A Worker given its own threads keeps them."""
-        if self.runtime is None:
-            return
-        for host in self.running.placement.workers():
-            flags = math_flags(threads=self.runtime.spec(host).threads is None)
-            if self._math.get(host) != flags:
-                self._math[host] = flags
-                self._math_sent.append(self.runtime.call_async(host, set_math_live, flags))
-        while self._math_sent and self._math_sent[0].fut.done():
-            self._math_sent.pop(0).result()  # raises what went wrong over there
+        """Send the workers this process's math settings, when they changed (the session's)."""
+        self.session.follow_math()
 
     def _count(self, out: Outcome) -> None:
-        with self._counting:  # micro-batches: stages on workers are answered on other threads
-            for n, pid in out.pids.items():
-                self.ran.setdefault(node_of(n), Counter())[pid] += 1
+        self.session.account.count(out.pids, node_of)
 
     def where(self) -> dict[str, dict[int, int]]:
         """Which processes ran each node, and how often: ``{node: {pid: times}}``."""
-        return {n: dict(c) for n, c in self.ran.items()}
+        return self.session.where()
 
     # -- backward ---------------------------------------------------------------------
     def backward(self) -> None:
@@ -219,6 +219,8 @@ class Step:
         trainer's gradient waits for the next step's input."""
         preds = self.graph.preds
 
+        back: list[tuple[Any, Any]] = []  # (value here, dL/d(value)) for autograd
+
         def signal(n: str) -> Any:
             leaf = made[n][1] if made.get(n) else None
             return _plus(None if leaf is None else leaf.grad, owed.pop(n, None))
@@ -232,7 +234,10 @@ class Step:
             if grad_in is not None and preds[n]:
                 (p,) = preds[n]
                 owed[p] = _plus(owed.get(p), grad_in)
-        values, grads = [], []
+            elif grad_in is not None and made.get(Position(n, IN)) is not None:
+                fed_in = made[Position(n, IN)]  # a root fed a value with history here
+                back.append((fed_in, grad_in.to(fed_in.device)))
+        values, grads = [v for v, _ in back], [g for _, g in back]
         for n in self.through[k]:
             if not made.get(n) or not made[n][0].requires_grad:
                 continue
@@ -321,9 +326,7 @@ class Step:
 
     def close(self) -> None:
         """Stop the workers this step's runs started (what is owed is not delivered)."""
-        if self.runtime is not None:
-            _holes.transport().release(self.running)
-            self.runtime = None
+        self.session.close()
 
     def _at(self, n: str, fn: Callable[..., Any], *args: Any) -> Any:
         return self._on(self.graph.placement.get(n), fn, *args)
@@ -333,121 +336,10 @@ class Step:
         # against the worker's live one, by the transport's generic call
         if host is None:
             return fn(self.running, *args)
-        return self.runtime.call(host, fn, *args)
-
-
-# -- refused before the first step, by every driver -------------------------------------
-
-def refuse(graph: Graph, trains: Mapping[str, Any],
-           optimizers: Iterable[torch.optim.Optimizer] = ()) -> None:
-    """Raise ``Refused`` for a training run that cannot be what it says, naming the nodes."""
-    refuse_unknown(trains, graph.ids)
-    seen: dict[int, str] = {}
-    for n, trainer in trains.items():
-        if not isinstance(trainer, Learning):
-            raise Refused(f"trains[{n!r}] is a {type(trainer).__name__}, not a Learning: "
-                          f"write trains={{{n!r}: Split(SGD, lr=0.1)}}")
-        if id(trainer) in seen:
-            raise Refused(f"one trainer object trains both {seen[id(trainer)]!r} and {n!r}: "
-                          "give each node its own (Split(SGD, lr=0.1) twice)")
-        seen[id(trainer)] = n
-    for n in trains:
-        node = graph.catalog[n]
-        if n in graph.memory.frozen:
-            raise Refused(
-                f"node {n!r} is declared .frozen() and trained: frozen says its weights do not "
-                f"change while the graph runs, a trainer changes them every step. Drop "
-                f".frozen() from {n!r} or take {n!r} out of trains")
-        if not callable(getattr(node, "parameters", None)):
-            raise Refused(
-                f"node {n!r} ({kind_of(node)}) is trained but does not say what its parameters "
-                f"are: define parameters(self) on {kind_of(node)} returning its tensors")
-        if len(graph.preds[n]) > 1:
-            raise Refused(
-                f"node {n!r} is trained and has two producers {list(graph.preds[n])}: it would "
-                "owe a different gradient to each, which is not done. Join them in a node of "
-                f"their own before {n!r}, or train {n!r} in one piece with the rest")
-    if graph.memory.cached and trains:
-        level = levels(graph, trains)
-        late = sorted(n for n in graph.memory.cached if level[n] > 0)
-        if late:
-            raise Refused(
-                f"nodes {late} are .cached() after a cut (stage {max(level[n] for n in late)}): "
-                "a stage's roots are handed values, not their recipes, so two batches would be "
-                f"kept under one name. Cache only before the first cut, or drop .cached() from "
-                f"{late}")
-    held = {id(p) for o in optimizers for group in o.param_groups for p in group["params"]}
-    both = sorted(n for n in trains if any(id(p) in held for p in params_of(graph.catalog[n])))
-    if both:
-        raise Refused(
-            f"the local optimizer holds weights of {both}, which are also trained where "
-            "they run: each step would move them twice. Build it over "
-            "parameters(g, without=trains)")
-
-
-def refuse_unknown(trains: Iterable[str], ids: Iterable[str]) -> None:
-    """Refuse ``trains`` naming nodes that are not among ``ids``."""
-    ids = list(ids)
-    unknown = sorted(set(trains) - set(ids))
-    if unknown:
-        raise Refused(
-            f"trains names {unknown}, which are not in the graph; its nodes are {ids}. Key "
-            "trains by node id (a node's id is its class name in lower case, or what "
-            ".named('...') says)")
-
-
-def settle(graph: Graph) -> None:
-    """Make ``.frozen()`` true (``freeze``) and check the prefix rule where a cache is
-    declared, before anything runs."""
-    if graph.memory.frozen:
-        freeze(graph)
-    if graph.memory.cached:
-        cacheable(graph)
-    check_settled(graph)
-
-
-# -- run where the trainers live, against that process's live graph --------------------
-
-def _learn(live: Graph, n: str, signal: Any) -> Any:
-    """Hand trainer ``n`` dL/d(its node's output); answer dL/d(its input) or None."""
-    return live.catalog[n].learn(signal, Ctx(n, live.placement.get(n), True))
-
-
-def _step_trainers(live: Graph, names: list[str]) -> None:
-    for n in names:
-        live.catalog[n].step()
-
-
-def _forget_trainers(live: Graph, names: list[str]) -> None:
-    for n in names:
-        live.catalog[n].forget()
-
-
-def _read_trainer(live: Graph, n: str) -> dict:
-    trainer = live.catalog[n]
-    return {"node": snapshot(trainer.node), "trainer": copy.deepcopy(trainer.state_dict())}
-
-
-def _load_trainer(live: Graph, n: str, weights: Mapping[str, Any], state: dict) -> None:
-    trainer = live.catalog[n]
-    restore(trainer.node, weights)
-    trainer.load_state_dict(state)
+        return self.session.call(host, fn, *args)
 
 
 # -- small pieces ----------------------------------------------------------------------
-
-def snapshot(node: Any) -> dict[str, torch.Tensor]:
-    """A copy of a node's state, by name."""
-    return {k: t.detach().clone() for k, t in state_of(node)}
-
-
-def restore(node: Any, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``weights`` (by name) into a node's state."""
-    with torch.no_grad():
-        for k, t in state_of(node):
-            if k in weights:
-                t.copy_(weights[k])
-
 
 def _trainable(graph: Graph, n: str) -> bool:
     return n not in graph.memory.frozen and any(p.requires_grad for p in params_of(graph[n]))
@@ -462,6 +354,12 @@ def _leaf(value: Any, trained: bool) -> tuple[Any, tuple[torch.Tensor, torch.Ten
         return value, None
     leaf = t.detach().requires_grad_()
     return (Opaque(leaf) if isinstance(value, Opaque) else leaf), (t, leaf)
+
+
+def _asks_grad(value: Any) -> bool:
+    t = bare(value)
+    return (torch.is_grad_enabled() and isinstance(t, torch.Tensor) and t.requires_grad
+            and t.is_floating_point())
 
 
 def _plus(a: Any, b: Any) -> Any:

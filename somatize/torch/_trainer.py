@@ -37,8 +37,9 @@ from .._learning import Learning
 from .._memory import has_state
 from .._trace import span
 from ._pipeline import Pipeline
-from ._step import Step, restore, snapshot
+from ._step import Step
 from ._tracer import Tracer
+from ._trainer_calls import restore, snapshot
 
 log = logging.getLogger(__name__)
 

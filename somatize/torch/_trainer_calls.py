@@ -1,0 +1,63 @@
+"""What a graph's training step runs where its trainers stand: over there by the
+transport's generic call (``session.call(host, _learn, n, signal)``), against that
+process's live graph, or here against the step's own.
+
+    _learn(live, "body", signal)       # dL/d(input), or None
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .._graph import Graph
+from .._node import Ctx
+from ._freeze import state_of
+
+
+def _learn(live: Graph, n: str, signal: Any) -> Any:
+    """Hand trainer ``n`` dL/d(its node's output); answer dL/d(its input) or None."""
+    return live.catalog[n].learn(signal, Ctx(n, live.placement.get(n), True))
+
+
+def _feeds_back(live: Graph, n: str) -> None:
+    live.catalog[n].feeds_back = True
+
+
+def _step_trainers(live: Graph, names: list[str]) -> None:
+    for n in names:
+        live.catalog[n].step()
+
+
+def _forget_trainers(live: Graph, names: list[str]) -> None:
+    for n in names:
+        live.catalog[n].forget()
+
+
+def _read_trainer(live: Graph, n: str) -> dict:
+    trainer = live.catalog[n]
+    return {"node": snapshot(trainer.node), "trainer": copy.deepcopy(trainer.state_dict())}
+
+
+def _load_trainer(live: Graph, n: str, weights: Mapping[str, Any], state: dict) -> None:
+    trainer = live.catalog[n]
+    restore(trainer.node, weights)
+    trainer.load_state_dict(state)
+
+
+def snapshot(node: Any) -> dict[str, torch.Tensor]:
+    """A copy of a node's state, by name."""
+    return {k: t.detach().clone() for k, t in state_of(node)}
+
+
+def restore(node: Any, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``weights`` (by name) into a node's state."""
+    with torch.no_grad():
+        for k, t in state_of(node):
+            if k in weights:
+                t.copy_(weights[k])
+
+

@@ -1,0 +1,104 @@
+"""Private Lightning and torch names: each one somatize relies on is held in one module
+per layer (``lightning/_private.py``, ``torch/_private.py``, ``remote/_private.py``),
+pinned here on the installed versions, and found nowhere else in the package."""
+
+import re
+from pathlib import Path
+
+import lightning
+import lightning.pytorch as pl
+import pytest
+from lightning.pytorch.strategies import SingleDeviceStrategy
+
+from somatize import SomatizeError
+from somatize.lightning import _private
+
+PACKAGE = Path(__file__).resolve().parent.parent / "somatize"
+HOMES = {"lightning/_private.py", "torch/_private.py", "remote/_private.py"}
+
+# known offenders still to move into their layer's home (by the helpers named): the lead
+# empties this list after merging, and each entry must still be needed (see below)
+STILL_TO_MOVE = {
+    "lightning/_dropin.py": "the optimizer mirror's GradScaler and _foreach (wt18b)",
+    "torch/_placed.py": "_foreach, the amp unscale and the hook counts (wt18, wt18b)",
+    "torch/_cached.py": "Tensor._version, to see writes",
+    "remote/_group.py": "the RPC agent (wt20)",
+    "remote/_membership.py": "the RPC group surgery (wt20)",
+    "remote/_wire.py": "torch._C's PyRRef (wt20)",
+}
+
+PRIVATE = [
+    # a dotted torch or lightning path with a private part (not somatize's own ..torch)
+    re.compile(r"(?<![.\w])(?:torch|lightning|pl|rpc)(?:\.\w+)*\._\w+"),
+    # a private name imported from, or a private module of, torch or lightning
+    re.compile(r"^\s*from\s+(?:torch|lightning)[\w.]*\s+import\s+(?:.*[\s,(])?_[A-Za-z]\w*"),
+    re.compile(r"^\s*(?:from|import)\s+(?:torch|lightning)(?:\.\w+)*\._"),
+    # private attributes of torch or Lightning objects, by name
+    re.compile(r"(?<=[\w)\]])\.(?:_forward_hooks|_forward_pre_hooks|_backward_hooks|_backward_pre_hooks"
+               r"|_per_optimizer_states|_accelerator_connector|_devices_flag|_parallel_devices"
+               r"|_lightning_optimizers|_root_device|_launcher|_update_group_membership"
+               r"|_version)\b"),
+    re.compile(r"\bscaler\._\w+"),
+]
+
+
+def offenders() -> dict[str, list[str]]:
+    found: dict[str, list[str]] = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        if rel in HOMES:
+            continue
+        for no, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if any(p.search(code) for p in PRIVATE):
+                found.setdefault(rel, []).append(f"{rel}:{no}: {line.strip()}")
+    return found
+
+
+def test_no_private_lightning_or_torch_name_is_used_outside_its_layers_home():
+    found = offenders()
+    new = {f: lines for f, lines in found.items() if f not in STILL_TO_MOVE}
+    assert not new, ("private Lightning/torch names outside lightning/_private.py, "
+                     "torch/_private.py, remote/_private.py:\n"
+                     + "\n".join(line for lines in new.values() for line in lines))
+    moved = sorted(set(STILL_TO_MOVE) - set(found))
+    assert not moved, f"{moved} use no private name any more: take them off STILL_TO_MOVE"
+
+
+def test_the_scan_finds_what_it_looks_for(tmp_path):
+    # the patterns catch each kind of use they are for, and not somatize's own ..torch
+    caught = ["x = torch._foreach_norm(gs, 2)", "from torch.distributed.rpc.api import "
+              "_get_current_rpc_agent", "n = len(m._forward_hooks)",
+              "trainer._accelerator_connector._devices_flag", "scaler._scale.double()",
+              "from lightning.pytorch.strategies.launchers.launcher import _Launcher",
+              "from torch._C._distributed_rpc import PyRRef"]
+    missed = ["from ..torch._session import Session", "from ._launcher import _Serving",
+              "from lightning.pytorch.strategies import SingleDeviceStrategy"]
+    assert all(any(p.search(s) for p in PRIVATE) for s in caught)
+    assert not any(p.search(s) for p in PRIVATE for s in missed)
+
+
+def test_every_private_lightning_name_relied_on_exists_on_the_installed_lightning():
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False)
+    strategy = SingleDeviceStrategy(device="cpu")
+    owners = {"Trainer._accelerator_connector": trainer._accelerator_connector,
+              "Strategy": strategy,
+              "lightning.pytorch.strategies.launchers.launcher":
+                  __import__("lightning.pytorch.strategies.launchers.launcher",
+                             fromlist=["_Launcher"])}
+    for owner, name in _private.NAMES:
+        assert hasattr(owners[owner], name), (owner, name, lightning.__version__)
+    assert _private.devices_asked(trainer) in (1, "1", "auto")  # devices= as given
+    assert isinstance(_private.parallel_devices(trainer), list)
+    assert _private.launcher_base().__name__ == "_Launcher"
+    assert _private.lightning_optimizers(strategy) == []
+
+
+def test_a_private_name_gone_from_lightning_is_named_with_the_version():
+    class Bare:
+        pass
+
+    with pytest.raises(SomatizeError, match=rf"Lightning {re.escape(lightning.__version__)} "
+                                            r"has no Trainer._accelerator_connector"):
+        _private.devices_asked(Bare())
