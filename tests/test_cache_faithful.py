@@ -26,8 +26,8 @@ from somatize.torch._cached import CachedForward, on_device
 
 
 class Body(nn.Module):
-    """A frozen encoder with settings a key must see: BatchNorm's eps and
-    track_running_stats, a plain float scale, a non-persistent buffer."""
+    """A frozen encoder with settings a key must see: BatchNorm's eps, an activation's
+    slope, a plain float scale, a non-persistent buffer."""
 
     def __init__(self):
         super().__init__()
@@ -35,11 +35,12 @@ class Body(nn.Module):
         self.bn = nn.BatchNorm1d(6)
         self.bn.running_mean.uniform_(-1, 1)
         self.bn.running_var.uniform_(0.05, 0.2)
+        self.act = nn.LeakyReLU(0.1)
         self.register_buffer("shift", torch.zeros(6), persistent=False)
         self.scale = 1.0
 
     def forward(self, x):
-        return self.bn(self.lin(x)) * self.scale + self.shift
+        return self.act(self.bn(self.lin(x))) * self.scale + self.shift
 
 
 class Feat(NamedTuple):
@@ -184,12 +185,12 @@ def _shift(b):
     b.shift.fill_(0.25)
 
 
-def _batch_stats(b):
-    b.bn.track_running_stats = False
+def _slope(b):
+    b.act.negative_slope = 0.3
 
 
-@pytest.mark.parametrize("change", [_eps, _scale, _shift, _batch_stats],
-                         ids=["eps", "scale", "non-persistent buffer", "track_running_stats"])
+@pytest.mark.parametrize("change", [_eps, _scale, _shift, _slope],
+                         ids=["eps", "scale", "non-persistent buffer", "a child's slope"])
 def test_a_setting_changed_after_the_store_was_filled_is_computed_anew(tmp_path, change):
     fit(model(), tmp_path)  # fills the store with the outputs of the unchanged body
     got = fit(model(change=change), tmp_path)
