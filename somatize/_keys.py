@@ -57,15 +57,20 @@ def key_of_input(value: Any) -> str | None:
     return digest(["input", h.hexdigest()])
 
 
-def key_of_node(kind: str, state: str | None, salt: str | None, preds) -> str | None:
+def key_of_node(kind: str, state: str | None, salt: str | None, preds,
+                call: str | None = None) -> str | None:
     """The key of a node's output; ``preds`` is ``[(pred_id, key)]`` (None if unnamed).
 
     A node with one predecessor is named by its key alone; a fan-in also by the
-    predecessor ids, since those are the keys of the dict the node is handed.
+    predecessor ids, since those are the keys of the dict the node is handed. ``call``
+    names the state of the call that changes what it computes (autocast, say).
     """
     if any(k is None for _, k in preds):
         return None
     pieces = ["node", kind, state or "", salt or "", str(len(preds))]
+    if call:
+        pieces[0] = "node+call"  # never the name of a key without a call
+        pieces.append(call)
     if len(preds) == 1:
         pieces.append(preds[0][1])
     else:
@@ -116,16 +121,20 @@ def _piece(h, tag: bytes, data) -> None:
 
 # -- the code's fingerprint: written beside a value, compared on a hit, never in the key --
 
-def fingerprint(cls: type) -> dict[str, str]:
-    """``{"Class.method": hash}`` for the code a class runs (its own and its bases').
+def fingerprint(cls: type, *more: type) -> dict[str, str]:
+    """``{"Class.method": hash}`` for the code classes run (their own and their bases'):
+    ``cls`` and ``more`` (the classes of a module's children, say).
 
     Only what the code refers to is read: globals it really loads (LOAD_GLOBAL),
     never attribute names (``self.model`` does not pull a global ``model`` in).
     """
     out: dict[str, str] = {}
-    for klass in cls.__mro__:
-        if klass.__module__.startswith(("somatize", "torch.")) or klass is object:
+    seen: set[type] = set()
+    for klass in (k for c in (cls, *more) for k in c.__mro__):
+        if klass in seen or klass.__module__.startswith(("somatize", "torch.")) or (
+                klass is object):
             continue
+        seen.add(klass)
         for name, attr in vars(klass).items():
             fn = getattr(attr, "__func__", attr)
             if isinstance(fn, property):

@@ -3,6 +3,10 @@
 Objects with a codec (tensors, once ``somatize.torch`` is imported) become safetensors
 tensors; the nested structure around them (dicts, lists, tuples, numbers, strings,
 None, bytes) is JSON in the header's ``__metadata__``. Reading never unpickles.
+NamedTuples, dataclasses and mappings of their own class (``ModelOutput``) are written as
+data too, their class by its path and their fields by name; reading rebuilds them only
+from a class already imported in the process (never importing anything), and only one
+that still is a namedtuple, dataclass or mapping with those fields (see ``_classes``).
 
     header, buffers = pack({"emb": t, "n": 3})    # bytes, then memoryviews (no copy)
     buf = aligned(len(file_bytes)); buf[:] = file_bytes
@@ -33,6 +37,7 @@ import math
 import struct
 from typing import Any
 
+from ._classes import class_of, rebuild
 from ._values import Blob, Opaque, codec_for, codec_named
 
 FORMAT = "somatize/1"  # the key in __metadata__ that holds the structure
@@ -48,11 +53,12 @@ _ZEROS = memoryview(bytes(ALIGN))
 
 
 class Unpackable(Exception):
-    """A value holds an object no codec knows (``.kind`` says which type)."""
+    """A value holds an object no codec knows (``.kind`` says which type), or a class this
+    process cannot rebuild (``.why`` says why and what to do)."""
 
-    def __init__(self, kind: str):
-        super().__init__(kind)
-        self.kind = kind
+    def __init__(self, kind: str, why: str | None = None):
+        super().__init__(kind if why is None else f"{kind}: {why}")
+        self.kind, self.why = kind, why
 
 
 class Damaged(Exception):
@@ -120,6 +126,11 @@ def _encode(value: Any, blobs: list, depth: int) -> Any:
         value = value.value
     if value is None or isinstance(value, (bool, str)):
         return value
+    kept_as = class_of(value)  # a namedtuple, dataclass or mapping of its own class
+    if kept_as is not None:
+        path, kind, items = kept_as
+        return {"c": [path, kind, [[_encode(k, blobs, depth + 1), _encode(v, blobs, depth + 1)]
+                                   for k, v in items]]}
     if isinstance(value, int):
         return {"i": str(value)}  # as a string: JSON readers elsewhere lose big ints
     if isinstance(value, float):
@@ -241,6 +252,16 @@ class _Reader:
             return {self.decode(k, depth + 1): self.decode(x, depth + 1) for k, x in v}
         if tag == "b" and type(v) is str:
             return bytes(self.bytes_at(v)[1])
+        if tag == "c" and type(v) is list and len(v) == 3 and type(v[0]) is str and type(
+                v[1]) is str and type(v[2]) is list and all(
+                type(p) is list and len(p) == 2 for p in v[2]):
+            items = [(self.decode(k, depth + 1), self.decode(x, depth + 1)) for k, x in v[2]]
+            try:
+                return rebuild(v[0], v[1], items)
+            except LookupError as e:  # not damage: this process cannot rebuild the class
+                if self.strict:
+                    raise Unpackable(v[0], str(e)) from None
+                return None
         if len(s) == 2 and type(v) is str and type(s.get("at")) is str:
             return self.load(v, s["at"])
         raise Damaged(f"an unknown or malformed tag: {json.dumps(s)[:60]}")

@@ -1,7 +1,7 @@
 """``somatize store {ls,du,verify,gc} PATH``: look inside a store, check it, clean it.
 
     somatize store ls /scratch/soma [PREFIX]   # names, node, class, fingerprint, size
-    somatize store du /scratch/soma            # blobs, names, bytes, what gc would free
+    somatize store du /scratch/soma            # blobs, names, bytes, on disk, what gc frees
     somatize store verify /scratch/soma        # exit 1 when a blob or a name is damaged
     somatize store gc /scratch/soma [--dry-run]
 """
@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -41,10 +42,32 @@ def _du(store: Store) -> int:
     free = sum(s for b, s in blobs.items() if b not in used)
     tmp = [p.stat().st_size for p in (store.path / "tmp").glob("*")] if (
         store.path / "tmp").is_dir() else []
+    files, on_disk = disk_used(store.path)
     print(f"{store.path}: {len(blobs)} blobs, {_size(sum(blobs.values()))}; "
           f"{len(entries)} names; unreferenced {len(blobs) - len(used & set(blobs))} blobs, "
-          f"{_size(free)}; leftovers {len(tmp)} files, {_size(sum(tmp))} (gc frees both)")
+          f"{_size(free)}; leftovers {len(tmp)} files, {_size(sum(tmp))} (gc frees both); "
+          f"on disk {_size(on_disk)} in {files} files (whole blocks, names and all)")
     return 0
+
+
+def disk_used(root: Path) -> tuple[int, int]:
+    """``(files, bytes)`` the store takes on disk: allocated blocks (``st_blocks`` x 512),
+    every file under it counted once, links not followed."""
+    st = os.lstat(root)
+    files, used = 0, st.st_blocks * 512
+    seen: set[tuple[int, int]] = {(st.st_dev, st.st_ino)}
+    for top, dirs, names in os.walk(root):
+        for name in [*names, *dirs]:
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except FileNotFoundError:  # removed meanwhile (a gc, a writer's temporary)
+                continue
+            if (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            files += name in names
+            used += st.st_blocks * 512
+    return files, used
 
 
 def _verify(store: Store) -> int:

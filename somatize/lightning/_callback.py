@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from os import PathLike
 from typing import Any
@@ -24,6 +25,7 @@ from .._keeper import Kept
 from .._memory import cacheable
 from ..torch import GraphModule, freeze
 from ..torch._cached import CachedForward, counts_there
+from ._stages import Stages, shuffles
 
 log = logging.getLogger(__name__)
 
@@ -69,22 +71,33 @@ class SomatizeCache(pl.Callback):
     call, a cached module whose input asks for a gradient (it comes from something that
     still trains, and a value read from the store sends none back).
 
-    Hits and misses are logged each epoch (``cache/hits``, ``cache/misses``); their
-    totals are kept in checkpoints.
+    A call's name covers what changes the output: the module's state (non-persistent
+    buffers too), the settings of it and its children (``eps``, a scale: an attribute
+    that cannot be named is refused at setup, naming it), ``salt`` and the call's
+    autocast state; the code of every class in its tree is kept beside the value.
+
+    Hits and misses are logged each epoch, per stage (``cache/hits``, ``cache/misses``
+    for training, ``cache/val_hits``, ``cache/test_hits``...); their totals are kept in
+    checkpoints. A store path that is an existing file is refused at setup.
 
     Args:
         store: a directory (created if missing) or a Keeper where cached outputs are kept.
         modules: the submodules whose outputs are kept, by path.
+        salt: a string in every name: change it when something the key cannot see
+            changes what the modules compute (an attribute holding an object is then
+            left out of the name instead of refused).
     """
 
-    def __init__(self, store: str | PathLike | Any, modules: Sequence[str] = ()):
+    def __init__(self, store: str | PathLike | Any, modules: Sequence[str] = (),
+                 salt: str | None = None):
         self.store = store
         self.modules = list(modules)
+        self.salt = salt
+        self.stages = Stages()  # hits and misses by stage (train, val, test, predict)
         self.keeper: Counting | None = None
         self.cached: dict[str, CachedForward] = {}  # by path: what each module now calls
-        self.hits = 0  # totals over every epoch, resumed from checkpoints
+        self.hits = 0  # totals over every epoch of training and validation, resumed
         self.misses = 0
-        self._seen = (0, 0)
         self._trainer: pl.Trainer | None = None
 
     def _attach(self, pl_module: pl.LightningModule) -> None:
@@ -140,7 +153,8 @@ class SomatizeCache(pl.Callback):
                 have.settle()
                 self.cached[path] = have
             else:
-                self.cached[path] = CachedForward(module, path, self.store, previous=have)
+                self.cached[path] = CachedForward(module, path, self.store, previous=have,
+                                                  salt=self.salt)
                 module.forward = self.cached[path]  # an instance attribute: it pickles along
         if self.cached:
             log.info("modules %s are frozen; their outputs are kept in %s", sorted(self.cached),
@@ -178,6 +192,7 @@ class SomatizeCache(pl.Callback):
         # before the optimizers are built (so frozen weights are not handed to them) and
         # before the strategy sends placed modules to their workers (the cache goes along)
         self._trainer = trainer
+        _refuse_file(self.store)
         self._install(trainer, pl_module)
         self._settle(pl_module)
         self._attach(pl_module)
@@ -205,18 +220,66 @@ class SomatizeCache(pl.Callback):
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         for cached in self.cached.values():
             cached.module.eval()  # should anything have called .train() on the model
-        self._seen = self._counts()
+        self.stages.begin("train", self._counts())
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        hits, misses = (now - then for now, then in zip(self._counts(), self._seen, strict=True))
-        self.hits += hits
-        self.misses += misses
-        self._seen = self._counts()
-        pl_module.log_dict({"cache/hits": float(hits), "cache/misses": float(misses)},
-                           on_epoch=True, on_step=False)
-        log.info("epoch %d: %d cached outputs found, %d computed", trainer.current_epoch,
-                 hits, misses)
+        hits, misses = self._end_stage("train", pl_module)
+        self._say_why_nothing_hit(trainer, hits, misses)
+
+    @override
+    def on_validation_epoch_start(self, trainer: pl.Trainer,
+                                  pl_module: pl.LightningModule) -> None:
+        self.stages.begin("val", self._counts())
+
+    @override
+    def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_stage("val", pl_module)
+
+    @override
+    def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.stages.begin("test", self._counts())
+
+    @override
+    def on_test_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_stage("test", pl_module)
+
+    @override
+    def on_predict_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.stages.begin("predict", self._counts())
+
+    @override
+    def on_predict_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end_stage("predict", None)  # Lightning takes no logged values in predict
+
+    def _end_stage(self, stage: str, pl_module: pl.LightningModule | None) -> tuple[int, int]:
+        """Count what this stage found and computed since it began, and log it."""
+        hits, misses = self.stages.end(stage, self._counts())
+        if stage in ("train", "val"):  # the totals of a fit, kept in checkpoints
+            self.hits, self.misses = self.hits + hits, self.misses + misses
+        prefix = "" if stage == "train" else f"{stage}_"
+        if pl_module is not None:
+            pl_module.log_dict({f"cache/{prefix}hits": float(hits),
+                                f"cache/{prefix}misses": float(misses)},
+                               on_epoch=True, on_step=False)
+        where = f"epoch {self._trainer.current_epoch}" if self._trainer else "epoch"
+        log.info("%s %s: %d cached outputs found, %d computed", stage, where, hits, misses)
+        return hits, misses
+
+    def _say_why_nothing_hit(self, trainer: pl.Trainer, hits: int, misses: int) -> None:
+        """A whole-batch cache that found nothing after the first epoch under a shuffling
+        loader: no batch repeats, so none ever will. Said once."""
+        if hits or not misses or trainer.current_epoch < 1 or self.stages.said_shuffle:
+            return
+        if getattr(self, "per_item", False) or not shuffles(trainer.train_dataloader):
+            return
+        self.stages.said_shuffle = True
+        log.warning(
+            "SomatizeCache: epoch %d found none of its %d outputs in the store: the train "
+            "loader shuffles, so no batch repeats and a cache named by the whole batch never "
+            "hits. Name each item instead: SomatizeCache(..., per_item=True) (.mapped() on a "
+            "graph), for modules whose output rows depend only on their own input row; or "
+            "turn shuffling off", trainer.current_epoch, misses)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -257,6 +320,20 @@ class SomatizeCache(pl.Callback):
         if state_dict.get("store") != str(self.store):
             log.info("resuming with store %s (the checkpoint was written with %s)",
                      self.store, state_dict.get("store"))
+
+
+def _refuse_file(store: Any) -> None:
+    """A store path that is, or lies under, an existing file, refused naming it."""
+    if not isinstance(store, (str, PathLike)):
+        return
+    path = os.path.abspath(store)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise Refused(
+            f"SomatizeCache(store={str(store)!r}): {path} is a file, not a directory, so "
+            "nothing could be kept there. Give a directory path (it is created if missing), "
+            "or move the file")
 
 
 def _placed_on(place: Mapping[str, str], path: str) -> tuple[str, str] | None:

@@ -74,9 +74,11 @@ class Store:
             value = unpack(buf)
         except Unpackable as e:
             say_once(("store no codec", e.kind),
-                     f"store {self.path}: {name} holds a {e.kind!r} but no codec for it is "
-                     f"registered in this process, so it is a miss (import somatize.torch "
-                     "for tensors, or register one with somatize.codec)")
+                     f"store {self.path}: {name} holds a {e.kind!r} but " + (
+                         f"it cannot be rebuilt here ({e.why}), so it is a miss" if e.why else
+                         "no codec for it is registered in this process, so it is a miss "
+                         "(import somatize.torch for tensors, or register one with "
+                         "somatize.codec)"))
             return None
         except Damaged as e:
             self._damaged(entry.blob, f"not a packed value ({e})", name)

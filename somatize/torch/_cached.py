@@ -2,9 +2,11 @@
 ``SomatizeCache(store=..., modules=["body"])`` installs on the module it names.
 
 The name of an output is known before the module runs: ``key_of_node(the module's class,
-the digest of its state, no salt, [the key of the call's input])``, the graph route's
-naming with the call's input as the root's. A call whose name is kept is answered from
-the store (a hit); otherwise the module runs and its output is kept (a miss). It travels
+the digest of its state and settings, the salt, [the key of the call's input], the call's
+autocast state)``, the graph route's naming with the call's input as the root's. A call
+whose name is kept is answered from the store (a hit), on the device the module's output
+would be on; otherwise the module runs and its output is kept (a miss). What is kept
+beside it is the code fingerprint of every class in the module's tree. It travels
 with the module (pickled, store path and all) when the module is placed on a worker, and
 does the same over there, where ``counts_there`` reads its counts.
 
@@ -15,8 +17,10 @@ does the same over there, where ``counts_there`` reads its counts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -25,7 +29,10 @@ from .. import _holes
 from .._errors import Refused
 from .._keys import changed, fingerprint, key_of_input, key_of_node
 from .._say import say_once
-from ._freeze import state_digest, state_of
+from ._freeze import digest_of, named_state, versions
+
+# the device types whose autocast state is part of a call's name
+_AUTOCAST = ("cpu", "cuda", "xpu", "mps")
 
 
 class CachedForward:
@@ -37,35 +44,44 @@ class CachedForward:
         store: a directory path (opened where the call runs), or a Keeper when the
             module runs in this process only.
         previous: a forward already installed on the module (an instance attribute).
+        salt: a string in every name, for what the key cannot see (an attribute holding
+            an object: with a salt it is left out of the name instead of refused).
     """
 
-    def __init__(self, module: torch.nn.Module, path: str, store: Any, previous: Any = None):
-        self.module, self.path, self.previous = module, path, previous
+    def __init__(self, module: torch.nn.Module, path: str, store: Any, previous: Any = None,
+                 salt: str | None = None):
+        self.module, self.path, self.previous, self.salt = module, path, previous, salt
         self.store = os.path.abspath(store) if isinstance(store, (str, os.PathLike)) else store
         self.kind = type(module).__name__
-        self.code = json.dumps(fingerprint(type(module)), sort_keys=True)
+        self.code = ""
         self.hits = 0
         self.misses = 0
         self.active = True  # off: the module's own forward, nothing kept or read
         self._keeper: Any = None
-        self._versions: tuple | None = None
+        self._seen: tuple | None = None  # the versions and settings the digest was taken at
         self.digest: str | None = None
         self.settle()
 
-    def settle(self) -> None:
-        """Digest the module's state as it is now (after a checkpoint's weights are loaded)."""
-        state = state_of(self.module)
-        self.digest = state_digest(self.module)
-        self._versions = tuple(t._version for _, t in state)
+    def settle(self, named: tuple | None = None) -> None:
+        """Digest the module's state and settings as they are now (after a checkpoint's
+        weights are loaded); refused when a setting cannot be named."""
+        state, pieces = named or named_state(self.module, self.path, self.salt)
+        self.digest = digest_of(state, pieces)
+        self._seen = (versions(state), pieces)
+        classes = {type(m) for m in self.module.modules()}  # a child's code is its code too
+        self.code = json.dumps(fingerprint(type(self.module), *sorted(
+            classes, key=lambda c: (c.__module__, c.__qualname__))), sort_keys=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
             return self.run(*args, **kwargs)
         _refuse_trained_input(self.path, args, kwargs)
-        if self._versions != tuple(t._version for _, t in state_of(self.module)):
-            self.settle()  # its weights were written (loaded, sent over): a new name
-        key = key_of_node(self.kind, self.digest, None, [
-            ("", key_of_input(args[0] if len(args) == 1 and not kwargs else (args, kwargs)))])
+        named = named_state(self.module, self.path, self.salt)
+        if self._seen != (versions(named[0]), named[1]):
+            self.settle(named)  # its weights or settings were written: a new name
+        key = key_of_node(self.kind, self.digest, self.salt, [
+            ("", key_of_input(args[0] if len(args) == 1 and not kwargs else (args, kwargs)))],
+            autocast_state())
         keeper = self.keeper()
         if key is None or keeper is None:
             return self.run(*args, **kwargs)  # an input without a codec: said by key_of_input
@@ -73,7 +89,7 @@ class CachedForward:
         if kept is not None:
             self.hits += 1
             self._check_code(kept.meta)
-            return kept.value
+            return on_device(kept.value, self.device(args, kwargs))
         self.misses += 1
         out = self.run(*args, **kwargs)
         keeper.put(f"value/{key}", out, {"node": self.path, "class": self.kind,
@@ -85,6 +101,14 @@ class CachedForward:
         if self.previous is not None:
             return self.previous(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
+
+    def device(self, args: tuple, kwargs: dict) -> torch.device | None:
+        """Where the module's output would be: its weights' device, else its input's."""
+        for t in self.module.parameters():
+            return t.device
+        for t in self.module.buffers():
+            return t.device
+        return _first_device([*args, *kwargs.values()])
 
     def keeper(self) -> Any:
         if self._keeper is None:
@@ -113,8 +137,48 @@ class CachedForward:
                 "(store='/scratch/soma', one the worker can reach)")
         state = dict(self.__dict__)
         state["_keeper"] = None  # opened again where it lands
-        state["_versions"] = None  # tensors there have versions of their own: digest again
+        state["_seen"] = None  # tensors there have versions of their own: digest again
         return state
+
+
+def autocast_state() -> str | None:
+    """The autocast state of this call (device types where it is on, with their dtype):
+    it changes what a module computes, so it is part of the name."""
+    on = [f"{d}:{torch.get_autocast_dtype(d)}" for d in _AUTOCAST if torch.is_autocast_enabled(d)]
+    return "autocast " + ",".join(on) if on else None
+
+
+def on_device(value: Any, device: torch.device | None) -> Any:
+    """``value`` (fresh from the store) with its tensors on ``device``, dtypes kept; its
+    containers are rebuilt or written in place, keeping their classes."""
+    if device is None or device.type == "cpu":
+        return value  # the store gives tensors on the CPU
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        items = [on_device(v, device) for v in value]
+        return value._make(items) if hasattr(value, "_make") else type(value)(items)
+    if isinstance(value, list):
+        value[:] = [on_device(v, device) for v in value]
+    elif isinstance(value, MutableMapping):
+        for k in list(value):
+            value[k] = on_device(value[k], device)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            object.__setattr__(value, f.name, on_device(getattr(value, f.name), device))
+    return value
+
+
+def _first_device(flat: list) -> torch.device | None:
+    while flat:
+        v = flat.pop(0)
+        if isinstance(v, torch.Tensor):
+            return v.device
+        if isinstance(v, (tuple, list)):
+            flat[:0] = list(v)
+        elif isinstance(v, Mapping):
+            flat[:0] = list(v.values())
+    return None
 
 
 def _refuse_trained_input(path: str, args: tuple, kwargs: dict) -> None:

@@ -16,6 +16,7 @@ from blake3 import blake3
 from .._keys import digest
 from .._memory import params_of
 from ._codec import to_blob
+from ._settings import settings_of
 
 
 def modules_of(node: Any) -> list[tuple[str, torch.nn.Module]]:
@@ -37,17 +38,54 @@ def state_of(node: Any) -> list[tuple[str, torch.Tensor]]:
     return state
 
 
-def state_digest(node: Any) -> str | None:
-    """The digest of a node's state (None for a node with no state)."""
+def named_state(node: Any, where: str = "", salt: str | None = None
+                ) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+    """Everything that changes what a node computes: its state as named tensors (its
+    ``state_dict``, non-persistent buffers and tensors held as plain attributes, each
+    once) and its settings (see ``settings_of``; refused when one cannot be named)."""
     state = state_of(node)
-    if not state:
+    pieces: list[str] = []
+    for name, m in modules_of(node):
+        pieces += [f"{name}/{p}" for p in _settings(m, where or name or type(m).__name__,
+                                                    salt, state, name)]
+    return state, pieces
+
+
+def _settings(m: torch.nn.Module, where: str, salt: str | None,
+              state: list[tuple[str, torch.Tensor]], name: str) -> list[str]:
+    pieces, tensors = settings_of(m, where, salt)
+    seen = {id(t) for _, t in state}
+    dot = f"{name}." if name else ""
+    for k, b in m.named_buffers(remove_duplicate=False):  # non-persistent ones too
+        tensors.append((k, b))
+    for k, t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            state.append((dot + k, t))
+    return pieces
+
+
+def versions(state: list[tuple[str, torch.Tensor]]) -> tuple[int, ...]:
+    """The tensors' version counters: they move on every in-place write."""
+    return tuple(t._version for _, t in state)
+
+
+def state_digest(node: Any, where: str = "", salt: str | None = None) -> str | None:
+    """The digest of what a node computes with: state and settings (None for a node with
+    neither). Raises ``Refused`` for a setting that cannot be named (see ``named_state``)."""
+    return digest_of(*named_state(node, where, salt))
+
+
+def digest_of(state: list[tuple[str, torch.Tensor]], pieces: list[str]) -> str | None:
+    """The digest of named tensors and settings, as ``named_state`` gives them."""
+    if not state and not pieces:
         return None
     h = blake3()
     for name, t in state:
         blob = to_blob(t)
         h.update(digest([name, blob.dtype, repr(blob.shape)]).encode())
         h.update(memoryview(blob.data).cast("B"))
-    return digest(["state", h.hexdigest()])
+    return digest(["state", h.hexdigest(), "settings", *pieces])
 
 
 def freeze(graph) -> Any:
@@ -62,7 +100,7 @@ def freeze(graph) -> Any:
         for _, t in state_of(node):
             if t.is_floating_point() or t.is_complex():
                 t.requires_grad_(False)
-        node._soma_digest = state_digest(node)
+        node._soma_digest = state_digest(node, n, graph.memory.cached.get(n))
     return graph
 
 

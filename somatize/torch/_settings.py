@@ -1,0 +1,112 @@
+"""Settings: what a module computes with besides its state — the plain attributes of it and
+of every module inside it (``eps``, ``momentum``, a dropout's ``p``, a ``scale``), named so
+that changing one changes the key of what it produces.
+
+    pieces, tensors = settings_of(body, "body")   # ["0.eps=f:1e-05", ...], [("0.mask", t)]
+
+A setting is named by value when it is plain data: None, bools, numbers, strings, bytes,
+``torch.dtype``/``torch.device``, enums, functions (by their qualified name), dataclass
+instances of those, and tuples, lists, sets and dicts of them. A tensor that is not a
+parameter or buffer is state: its content is digested with the rest. What cannot be named
+(an arbitrary object) is refused, naming the attribute and what to do, unless ``salt``
+says the caller names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import types
+import weakref
+from typing import Any
+
+import torch
+from blake3 import blake3
+
+from .._errors import Refused
+
+# what torch keeps on every module for itself (hooks, registries, the train flag)
+_BOOKKEEPING = frozenset(vars(torch.nn.Module())) | {"training"}
+_MAX_DEPTH = 8
+
+
+class Unnamed(Exception):
+    """A setting that cannot be named by value (``.args``: its path and its type)."""
+
+
+def settings_of(module: torch.nn.Module, where: str,
+                salt: str | None = None) -> tuple[list[str], list[tuple[str, torch.Tensor]]]:
+    """The named settings of ``module`` and every module inside it, and the tensors held
+    as plain attributes (state that no ``state_dict`` shows), by dotted name.
+
+    Raises ``Refused`` for a setting that cannot be named, naming ``where`` and the
+    attribute; with a ``salt`` such an attribute is left out (the salt names it).
+    """
+    pieces: list[str] = []
+    tensors: list[tuple[str, torch.Tensor]] = []
+    for prefix, m in module.named_modules(remove_duplicate=False):
+        pieces.append(f"{prefix}:class={type(m).__module__}.{type(m).__qualname__}")
+        for k, v in vars(m).items():
+            if k in _BOOKKEEPING or k.startswith("_soma") or _ours(k, v):
+                continue
+            name = f"{prefix}.{k}" if prefix else k
+            try:
+                pieces.append(f"{name}={_named(v, name, tensors, 0)}")
+            except Unnamed as e:
+                if salt is not None:
+                    continue  # the caller's salt names what this attribute changes
+                what, kind = e.args
+                raise Refused(
+                    f"module {where!r}: its attribute {what!r} holds a {kind}, which the "
+                    "key of its cached outputs cannot name (a change to it would serve stale "
+                    "outputs). Make it a buffer (register_buffer) or a plain value (a "
+                    "number, string, tuple...), or give SomatizeCache a salt= (.cached(salt=) "
+                    "on a graph) that you change whenever it changes what the module "
+                    "computes") from None
+    return pieces, tensors
+
+
+def _ours(k: str, v: Any) -> bool:
+    # a forward installed on the instance (the cache's, a placed module's): code, whose
+    # fingerprint is kept beside the value, not a setting
+    return k == "forward" and callable(v)
+
+
+def _named(v: Any, name: str, tensors: list, depth: int) -> str:
+    """A setting as text that differs whenever the value does."""
+    if depth > _MAX_DEPTH:
+        raise Unnamed(name, "structure nested too deep")
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+        return f"{type(v).__name__}:{v!r}"
+    if isinstance(v, (torch.dtype, torch.device, torch.Size)):
+        return f"{type(v).__name__}:{v}"
+    if isinstance(v, enum.Enum):
+        return f"enum:{type(v).__module__}.{type(v).__qualname__}.{v.name}"
+    if isinstance(v, torch.Tensor):
+        tensors.append((name, v))  # by content, with the state (deduplicated there)
+        return f"tensor:{name}"
+    if isinstance(v, weakref.ref):
+        return _named(v(), name, tensors, depth + 1)  # an RNN's _flat_weight_refs
+    if isinstance(v, torch.nn.Module):
+        return "module"  # walked as a module of its own
+    if isinstance(v, types.FunctionType):  # an activation held as a function: its code
+        return f"code:{v.__module__}.{v.__qualname__}:{blake3(v.__code__.co_code).hexdigest()}"
+    if isinstance(v, types.MethodType):
+        on = type(v.__self__).__qualname__
+        return f"method:{on}.{_named(v.__func__, name, tensors, depth + 1)}"
+    if isinstance(v, (types.BuiltinFunctionType, type)):
+        return f"code:{v.__module__}.{v.__qualname__}"
+    if isinstance(v, (tuple, list, set, frozenset)):
+        items = [_named(x, f"{name}[{i}]", tensors, depth + 1) for i, x in enumerate(v)]
+        if isinstance(v, (set, frozenset)):
+            items.sort()
+        return f"{type(v).__name__}[{','.join(items)}]"
+    if isinstance(v, dict):
+        items = sorted(f"{_named(k, name, tensors, depth + 1)}:"
+                       f"{_named(x, f'{name}[{k!r}]', tensors, depth + 1)}" for k, x in v.items())
+        return f"dict[{','.join(items)}]"
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        items = [f"{f.name}={_named(getattr(v, f.name), f'{name}.{f.name}', tensors, depth + 1)}"
+                 for f in dataclasses.fields(v)]
+        return f"{type(v).__module__}.{type(v).__qualname__}({','.join(items)})"
+    raise Unnamed(name, type(v).__qualname__)
