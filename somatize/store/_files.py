@@ -99,8 +99,10 @@ def _link_or_file(fd: int, root: str, parts: Sequence[str]) -> BelowLink:
 
 def private_dir(root: str | os.PathLike, reldir: str = "", shared: bool = False) -> None:
     """Make ``root`` (if missing) and ``root/reldir`` with the store's mode. An existing
-    directory owned by this user loses what others may do; a shared store's also gains
-    its group's access. The root's own mode is left as its owner made it."""
+    directory owned by this user loses what others may do, and what its group may do
+    unless it is a shared store's (setgid and group-writable: left so, since its group
+    uses it); ``shared`` gives it its group's access. The root's own mode is left as its
+    owner made it."""
     root = os.fspath(root)
     if not os.path.isdir(root):
         os.makedirs(root, DIR_MODE[shared], exist_ok=True)
@@ -121,6 +123,8 @@ def _narrow(fd: int, shared: bool) -> None:
     mode = stat.S_IMODE(st.st_mode) & ~0o007
     if shared:
         mode |= 0o2070
+    elif mode & 0o2020 != 0o2020:  # not a shared store's (setgid, group-writable) either
+        mode &= ~0o070
     if mode != stat.S_IMODE(st.st_mode):
         os.fchmod(fd, mode)
 
@@ -258,14 +262,15 @@ def files_below(root: str | os.PathLike, reldir: str,
                 ) -> Iterator[tuple[str, os.stat_result]]:
     """Every regular file under ``root/reldir`` (sorted, depth first), as its path
     relative to ``reldir`` and its ``lstat``. Links are never entered nor yielded;
-    ``on_link(rel)`` hears of each. Nothing when ``reldir`` is missing."""
+    ``on_link(path relative to the root)`` hears of each. Nothing when ``reldir`` is missing."""
     root = os.fspath(root)
     try:
         fd = _open_dir(root, _parts(reldir), make=False, shared=False)
     except FileNotFoundError:
         return
+    heard = None if on_link is None else (lambda rel: on_link(f"{reldir}/{rel}"))
     try:
-        yield from _walk(fd, "", on_link)
+        yield from _walk(fd, "", heard)
     finally:
         os.close(fd)
 
