@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from .._errors import StoreError
 
-_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.=+-]*$")
-BLOB = re.compile(r"^[0-9a-f]{64}$")
+_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.=+-]*")  # fullmatch: "$" lets a "\n" by
+BLOB = re.compile(r"[0-9a-f]{64}")  # fullmatch only
 MAX_NAME_FILE = 16 << 20  # a name file is a few KB; anything near this is not one
 
 
@@ -37,7 +37,7 @@ def check_name(name: str) -> None:
     """Refuse a name that is not ``value/<key>`` or ``artifact/<kind>/<id>``."""
     parts = name.split("/") if isinstance(name, str) else []
     ok = (len(parts) == 2 and parts[0] == "value") or (len(parts) == 3 and parts[0] == "artifact")
-    if not ok or not all(_PART.match(p) for p in parts[1:]):
+    if not ok or not all(_PART.fullmatch(p) for p in parts[1:]):
         raise StoreError(
             f"{name!r} is not a store name: use 'value/<key>' or 'artifact/<kind>/<id>', "
             "each part letters, digits, '_', '.', '=', '+' or '-'"
@@ -67,7 +67,7 @@ def parse_entry(name: str, raw: bytes) -> Entry:
     if not isinstance(d, dict):
         raise ValueError("not a JSON object")
     blob, size, meta = d.get("blob"), d.get("size"), d.get("meta", {})
-    if type(blob) is not str or not BLOB.match(blob):
+    if type(blob) is not str or not BLOB.fullmatch(blob):
         raise ValueError(f"'blob' is {str(blob)[:70]!r}, not a BLAKE3 hex hash")
     if type(size) is not int or size < 0:
         raise ValueError(f"'size' is {str(size)[:30]!r}, not a byte count")

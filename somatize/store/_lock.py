@@ -1,7 +1,7 @@
 """The store's lock: writers hold ``PATH/lock`` shared from writing a blob to naming it,
 ``gc`` holds it exclusive, so gc never removes a blob a writer is about to name.
 
-    with Lock(store.path, timeout=60.0, exclusive=False):
+    with Lock(store, timeout=60.0, exclusive=False):
         ...  # write a blob, then its name
 
 It is ``flock``: on NFS, run gc only where every writer runs.
@@ -12,7 +12,9 @@ from __future__ import annotations
 import errno
 import os
 import time
-from pathlib import Path
+from typing import Any
+
+from ._files import open_lock
 
 try:
     import fcntl
@@ -22,17 +24,16 @@ except ImportError:  # pragma: no cover - no flock on this platform: gc is not g
 
 class Lock:
     """``flock`` on PATH/lock: shared for writers, exclusive for gc; waits up to a timeout
-    (then raises ``OSError(EAGAIN)``). Entering creates the store's directories."""
+    (then raises ``OSError(EAGAIN)``). Entering makes the store's directories."""
 
-    def __init__(self, path: Path, timeout: float, exclusive: bool):
-        self.path, self.timeout, self.exclusive, self.fd = path, timeout, exclusive, None
+    def __init__(self, store: Any, timeout: float, exclusive: bool):
+        self.store, self.timeout, self.exclusive, self.fd = store, timeout, exclusive, None
 
     def __enter__(self) -> Lock:
-        for d in ("tmp", "blobs", "names"):
-            (self.path / d).mkdir(parents=True, exist_ok=True)
+        self.store.setup()
         if fcntl is None:
             return self
-        self.fd = os.open(self.path / "lock", os.O_RDWR | os.O_CREAT, 0o666)
+        self.fd = open_lock(self.store.path, "lock", self.store.shared)
         mode = fcntl.LOCK_EX if self.exclusive else fcntl.LOCK_SH
         deadline = time.monotonic() + self.timeout
         while True:

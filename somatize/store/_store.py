@@ -19,7 +19,6 @@ import json
 import logging
 import os
 import time
-import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from pathlib import Path
@@ -30,6 +29,8 @@ from .._packing import Damaged, Unpackable, check, pack, unpack
 from .._say import say_once
 from ._blobs import digest, hasher, read_whole
 from ._entry import Entry, check_meta, check_name, parse_entry
+from ._files import (BelowLink, files_below, move_below, open_below, private_dir, remove_below,
+                     write_file_atomic)
 from ._lock import Lock
 from ._recent import checked, recent
 
@@ -44,14 +45,38 @@ class Store:
         fsync: flush each blob and name to disk before it is named (durability across a
             power cut; not needed for consistency, which every read checks).
         lock_timeout: seconds a writer waits for a running ``gc`` before not keeping.
+        shared: give the directory's group access (directories 2770, files 0660) so
+            several users in one group keep and read values; by default a store is
+            private to its owner (directories 0700, files 0600). docs/security.md.
     """
 
     def __init__(self, path: str | os.PathLike, *, fsync: bool = False,
-                 lock_timeout: float = 60.0):
+                 lock_timeout: float = 60.0, shared: bool = False):
         self.path = Path(path)
         self._root = str(self.path)
         self.fsync = fsync
         self.lock_timeout = lock_timeout
+        self.shared = shared
+        self._made = False  # its directories made (with their modes) by this object
+
+    def setup(self) -> None:
+        """Make the store's directories (with their modes); OSError when it cannot be
+        written (another user's store, a read-only disk)."""
+        if not self._made:
+            for d in ("tmp", "blobs", "names"):
+                private_dir(self._root, d, self.shared)
+            self._made = True
+
+    def writable(self) -> str | None:
+        """Why this process cannot write the store (None when it can): said once by a
+        worker at its start, rather than once per value not kept."""
+        try:
+            self.setup()
+            write_file_atomic(self._root, "tmp/.probe", [b""], self.shared)
+            remove_below(self._root, "tmp/.probe")
+        except OSError as e:
+            return f"{e.strerror or e} (this process runs as uid {os.geteuid()})"
+        return None
 
     def __repr__(self) -> str:
         return f"Store({str(self.path)!r})"
@@ -97,9 +122,9 @@ class Store:
         return self._parse(name)[1]
 
     def _parse(self, name: str) -> tuple[Entry | None, str | None]:
-        path = self._name_file(name)  # str paths: pathlib costs on a hit
+        path = self._name_file(name)
         try:
-            with open(path, "rb") as f:
+            with open_below(self._root, "names/" + name) as f:
                 raw = f.read()
         except FileNotFoundError:
             return None, None
@@ -113,13 +138,9 @@ class Store:
 
     def names(self, prefix: str = "") -> Iterator[str]:
         """Every name kept, under ``prefix`` (``"value/"``, ``"artifact/emb/"``...)."""
-        root = self.path / "names"
-        for dirpath, _, files in os.walk(root):
-            rel = os.path.relpath(dirpath, root).replace(os.sep, "/")
-            for f in sorted(files):
-                name = f if rel == "." else f"{rel}/{f}"
-                if name.startswith(prefix):
-                    yield name
+        for name, _ in files_below(self._root, "names", self._link):
+            if name.startswith(prefix):
+                yield name
 
     def entries(self, prefix: str = "") -> Iterator[Entry]:
         """Every entry kept under ``prefix``, with its blob, size and meta (a damaged name
@@ -131,12 +152,16 @@ class Store:
 
     def blobs(self) -> Iterator[tuple[str, int]]:
         """Every blob on disk: (its hash, its size)."""
-        for sub in sorted((self.path / "blobs").glob("??")):
-            for p in sorted(sub.glob("*.safetensors")):
-                try:
-                    yield p.name.split(".")[0], p.stat().st_size
-                except FileNotFoundError:
-                    continue  # removed by a gc meanwhile
+        for rel, st in files_below(self._root, "blobs", self._link):
+            sub, _, f = rel.partition("/")
+            blob = f.removesuffix(".safetensors")
+            if f.endswith(".safetensors") and sub == blob[:2] and "/" not in f:
+                yield blob, st.st_size
+
+    def _link(self, rel: str) -> None:
+        say_once(("store link", self._root, rel),
+                 f"store {self.path}: {rel} below it is a link, which a store never "
+                 "follows: it is left alone (remove it)")
 
     def blob_path(self, blob: str) -> Path:
         """Where the blob named ``blob`` lives (it may not exist)."""
@@ -147,7 +172,7 @@ class Store:
         return Path(self._name_file(name))
 
     def _blob_file(self, blob: str) -> str:
-        return os.path.join(self._root, "blobs", blob[:2], blob + ".safetensors")
+        return os.path.join(self._root, _blob_rel(blob))
 
     def _name_file(self, name: str) -> str:
         return os.path.join(self._root, "names", name)
@@ -156,10 +181,12 @@ class Store:
         """What is wrong with a blob (None when its bytes match its name and parse);
         ``"missing"`` when there is no such file."""
         try:
-            with open(self._blob_file(blob), "rb") as f:
+            with open_below(self._root, _blob_rel(blob)) as f:
                 buf = read_whole(f)
         except FileNotFoundError:
             return "missing"
+        except BelowLink:
+            return "a link, which the store never follows: remove it"
         except OSError as e:
             return f"unreadable ({e.strerror})"
         if digest(buf) != blob:
@@ -177,7 +204,7 @@ class Store:
             return held if self._sized(entry, len(held)) else None
         path = self._blob_file(entry.blob)
         try:
-            with open(path, "rb") as f:
+            with open_below(self._root, _blob_rel(entry.blob)) as f:
                 st = os.fstat(f.fileno())  # of the file read, not of whatever the path names later
                 buf = read_whole(f, st.st_size)
         except FileNotFoundError:
@@ -229,8 +256,7 @@ class Store:
         checked.drop((self._root, blob))
         aside = self.path / "damaged"
         try:
-            aside.mkdir(exist_ok=True)
-            os.replace(self._blob_file(blob), aside / f"{blob}.safetensors")
+            move_below(self._root, _blob_rel(blob), f"damaged/{blob}.safetensors", self.shared)
             where = f"moved to {aside}"
         except OSError as e:
             where = f"could not be moved to {aside} ({e.strerror}): delete {self._blob_file(blob)}"
@@ -262,10 +288,10 @@ class Store:
         record = json.dumps({"blob": blob, "size": size, "meta": meta,
                              "time": time.time()}, sort_keys=True).encode()
         try:
-            with Lock(self.path, self.lock_timeout, exclusive=False):
-                if not os.path.exists(self._blob_file(blob)):  # the same bytes are kept once
-                    self._write(self.blob_path(blob), [header, *buffers], "blob")
-                self._write(self.name_path(name), [record], "name")
+            with Lock(self, self.lock_timeout, exclusive=False):
+                if not self._has(blob):  # the same bytes are kept once
+                    self._write(_blob_rel(blob), [header, *buffers], "blob")
+                self._write("names/" + name, [record], "name")
         except OSError as e:
             why = {errno.ENOSPC: "the disk is full", errno.EACCES: "permission denied",
                    errno.EROFS: "read-only file system"}.get(e.errno, e.strerror or str(e))
@@ -279,29 +305,16 @@ class Store:
         """Called at each step of a write (``blob:open`` ... ``name:renamed``); nothing
         here. tests/store_writer.py overrides it to kill or pause a writer there."""
 
-    def _write(self, final: Path, pieces: list, what: str) -> None:
-        tmp = self.path / "tmp" / f"{os.getpid()}-{uuid.uuid4().hex}"
+    def _write(self, rel: str, pieces: list, what: str) -> None:
+        write_file_atomic(self._root, rel, pieces, self.shared, self.fsync,
+                          step=lambda at: self._step(f"{what}:{at}"))
+
+    def _has(self, blob: str) -> bool:
         try:
-            with open(tmp, "wb") as f:
-                self._step(f"{what}:open")
-                for i, p in enumerate(pieces):
-                    f.write(p)
-                    if i == 0:
-                        f.flush()
-                        self._step(f"{what}:partial")
-                f.flush()
-                self._step(f"{what}:written")
-                if self.fsync:
-                    os.fsync(f.fileno())
-            final.parent.mkdir(parents=True, exist_ok=True)
-            self._step(f"{what}:closed")
-            os.replace(tmp, final)  # atomic: readers see the old file, or the whole new one
-            self._step(f"{what}:renamed")
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        if self.fsync:
-            _sync_dir(final.parent)
+            os.stat(self._blob_file(blob), follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        return True  # a link there is refused when it is read, never written through
 
     # -- looking after it ---------------------------------------------------------
     def gc(self, dry_run: bool = False) -> tuple[int, int]:
@@ -316,29 +329,18 @@ class Store:
         if not self.path.is_dir():
             return 0, 0
         # a dry run removes nothing, so it neither needs the lock nor a writable store
-        with nullcontext() if dry_run else Lock(self.path, self.lock_timeout, exclusive=True):
+        with nullcontext() if dry_run else Lock(self, self.lock_timeout, exclusive=True):
             used = {e.blob for e in self.entries()}
-            doomed = [(self.blob_path(b), s) for b, s in self.blobs() if b not in used]
-            doomed += [(p, p.stat().st_size) for p in _files(self.path / "tmp")]
-            for p, s in doomed:
+            doomed = [(_blob_rel(b), s) for b, s in self.blobs() if b not in used]
+            doomed += [("tmp/" + rel, st.st_size) for rel, st in files_below(self._root, "tmp")]
+            for rel, s in doomed:  # never through a link: files_below enters none
                 if not dry_run:
-                    p.unlink(missing_ok=True)
+                    remove_below(self._root, rel)
                 removed += 1
                 freed += s
         log.info("store %s: gc removed %d files, %d bytes", self.path, removed, freed)
         return removed, freed
 
 
-def _files(d: Path) -> list[Path]:
-    try:
-        return [p for p in d.iterdir() if p.is_file()]
-    except FileNotFoundError:
-        return []
-
-
-def _sync_dir(d: Path) -> None:
-    fd = os.open(d, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _blob_rel(blob: str) -> str:
+    return f"blobs/{blob[:2]}/{blob}.safetensors"
