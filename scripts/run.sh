@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job (README's first command), on scikit-learn's digits — nothing downloaded:
-#   1. the example model (a plain LightningModule) trained split: its body placed on a
-#      local worker process by SomatizeStrategy(place={"body": "worker"}), its head here;
+#   1. the example model (examples/digits.py, a plain LightningModule) trained split:
+#      its body placed on a local worker process by SomatizeStrategy(place={"body":
+#      "worker"}), its head here;
 #   2. the head retrained over the now frozen body, whose outputs SomatizeCache keeps in
 #      a store (the second epoch on does not run the body at all).
 # Each run prints where each module ran (by the pid that ran it) and the held-out accuracy. Extra arguments are
