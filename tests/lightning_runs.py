@@ -7,7 +7,9 @@ they save.
 
 import logging
 import os
+import signal
 import sys
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -133,13 +135,18 @@ def all_remote(out):
 
 
 class Kill(pl.Callback):
-    """Kill the worker process at the third batch."""
+    """Kill the worker process at the third batch: the one the strategy says ran the body."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 2:
-            proc = trainer.strategy.runs["net"].runtime.peers["worker"].proc
-            proc.kill()
-            proc.wait(timeout=30)
+            from remote_run import no_worker_left
+
+            there = [p for p in trainer.strategy.where()["net"]["body"] if p != os.getpid()]
+            assert len(there) == 1, trainer.strategy.where()
+            os.kill(there[0], signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while not no_worker_left(there) and time.monotonic() < deadline:
+                time.sleep(0.02)
 
 
 def kill(out):
