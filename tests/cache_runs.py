@@ -60,4 +60,6 @@ def placed(out, store):
 
 
 if __name__ == "__main__":
-    globals()[sys.argv[1]](*sys.argv[2:])
+    from scenario import play
+
+    play(globals(), sys.argv)

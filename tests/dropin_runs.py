@@ -729,4 +729,6 @@ def traced(out):
 
 
 if __name__ == "__main__":
-    globals()[sys.argv[1]](*sys.argv[2:])
+    from scenario import play
+
+    play(globals(), sys.argv)

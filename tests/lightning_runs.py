@@ -7,7 +7,9 @@ they save.
 
 import logging
 import os
+import signal
 import sys
+import time
 
 import lightning.pytorch as pl
 import torch
@@ -136,13 +138,18 @@ def all_remote(out):
 
 
 class Kill(pl.Callback):
-    """Kill the worker process at the third batch."""
+    """Kill the worker process at the third batch: the one the strategy says ran the body."""
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if batch_idx == 2:
-            proc = trainer.strategy.session("net").runtime.peers["worker"].proc
-            proc.kill()
-            proc.wait(timeout=30)
+            from remote_run import no_worker_left
+
+            there = [p for p in trainer.strategy.where()["net"]["body"] if p != os.getpid()]
+            assert len(there) == 1, trainer.strategy.where()
+            os.kill(there[0], signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while not no_worker_left(there) and time.monotonic() < deadline:
+                time.sleep(0.02)
 
 
 def kill(out):
@@ -215,14 +222,15 @@ class Encoded(DigitsGraphModel):
 
 
 class RunsOverThere(pl.Callback):
-    """How many times the body ran on the worker, at the end of each epoch."""
+    """How many times the body ran on the worker, at the end of each epoch (as the
+    strategy's where() says: a value found kept over there is not a run)."""
 
     def __init__(self):
         self.counts = []
 
     def on_train_epoch_end(self, trainer, pl_module):
-        session = trainer.strategy.session("net")
-        self.counts.append(session.call("worker", lambda live: live["body"].runs))
+        ran = trainer.strategy.where()["net"]["body"]
+        self.counts.append(sum(n for pid, n in ran.items() if pid != os.getpid()))
 
 
 def worker_keeps(out, store):
@@ -262,4 +270,6 @@ def hashes(out, store):
 
 
 if __name__ == "__main__":
-    globals()[sys.argv[1]](*sys.argv[2:])
+    from scenario import play
+
+    play(globals(), sys.argv)

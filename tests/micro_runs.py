@@ -167,7 +167,7 @@ def feeds_back() -> None:
     g = placed(Graph.somatize(Pre() >> Body() >> Head()), {"pre": "gpu", "body": "gpu"})
     trains = {"pre": split(), "body": split()}
     with Trainer(g, F.cross_entropy, SGD(parameters(g, without=trains)), trains=trains) as t:
-        print(json.dumps(t._step.runtime.call("gpu", _feeds)))
+        print(json.dumps(t.runtime.call("gpu", _feeds)))
 
 
 def _feeds(live) -> dict[str, bool]:
@@ -300,4 +300,6 @@ def wire(epochs: int = 10) -> None:
 
 
 if __name__ == "__main__":
-    globals()[sys.argv[1]](*sys.argv[2:])
+    from scenario import play
+
+    play(globals(), sys.argv)

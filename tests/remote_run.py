@@ -10,38 +10,27 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+from scenario import HERE, ROOT, env, scenario
+from scenario import start as _start
+
 SCRIPTS = HERE / "remote_scripts.py"
+__all__ = ["HERE", "ROOT", "SCRIPTS", "coordinate", "env", "listening", "no_worker_left",
+           "said", "start"]
 
 
-def env() -> dict[str, str]:
-    """This environment with the repository and tests/ importable."""
-    e = dict(os.environ)
-    e["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE), e.get("PYTHONPATH", "")])
-    return e
-
-
-def start(name: str, *args, cwd: Path) -> subprocess.Popen:
+def start(name: str, *args, cwd) -> subprocess.Popen:
     """``remote_scripts.<name>(*args)`` in a coordinator process of its own, in ``cwd``."""
-    return subprocess.Popen([sys.executable, str(SCRIPTS), name, *map(str, args)], cwd=cwd,
-                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    return _start(SCRIPTS, name, *args, cwd=cwd)
 
 
-def coordinate(name: str, *args, cwd: Path, timeout: float = 90, expect_rc: int = 0) -> str:
+def coordinate(name: str, *args, cwd, timeout: float = 90, expect_rc: int = 0) -> str:
     """Run ``remote_scripts.<name>(*args)`` to its end; assert its exit code; answer its
     stdout."""
-    r = subprocess.run([sys.executable, str(SCRIPTS), name, *map(str, args)],
-                       capture_output=True, text=True, timeout=timeout, env=env(), cwd=cwd)
-    assert r.returncode == expect_rc, f"rc={r.returncode}\n{r.stdout}\n{r.stderr[-4000:]}"
-    return r.stdout
+    return scenario(SCRIPTS, name, *args, cwd=cwd, timeout=timeout, expect_rc=expect_rc).stdout
 
 
-def said(name: str, *args, cwd: Path, timeout: float = 120) -> dict:
+def said(name: str, *args, cwd, timeout: float = 120) -> dict:
     """Run ``remote_scripts.<name>(*args)`` to its end; everything it said (one JSON
     object a line), in one dict."""
     got: dict = {}

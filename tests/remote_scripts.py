@@ -750,4 +750,6 @@ def cut_off(listen: str, pid_file: str, address: str) -> None:
 
 
 if __name__ == "__main__":
-    globals()[sys.argv[1]](*sys.argv[2:])
+    from scenario import play
+
+    play(globals(), sys.argv)

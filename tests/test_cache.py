@@ -2,12 +2,11 @@
 ``g.forward(x, store=...)`` on a real directory store."""
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 from models import RUNS, Encoder, FromHandle, Handle, Probe, Stem, ToHandle, Tokenize
+from scenario import scenario
 
 from somatize import Graph, Opaque, Refused, cacheable, codec
 from somatize._engine import walk
@@ -134,8 +133,7 @@ for _ in range(2):
 assert "somatize.torch" not in sys.modules
 assert list(Store({str(tmp_path)!r}).names()) == []
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
+    r = scenario("-c", code, timeout=120)
     assert r.stdout.split() == ["ran", "ran"]
     assert r.stderr.count("'tok' is fed a Tensor that has no codec") == 1, r.stderr
     assert "import somatize.torch" in r.stderr

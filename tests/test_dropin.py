@@ -3,24 +3,15 @@ classic autoencoder, manual optimization, a siamese call) with submodules placed
 worker by name, against plain Lightning bit for bit. Each run is a subprocess
 (tests/dropin_runs.py): RPC starts once per process."""
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 from models import same
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = os.path.join(ROOT, "tests", "dropin_runs.py")
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+from scenario import scenario
 
 
 def run(tmp_path, *args, timeout=300):
     out = tmp_path / f"{args[0]}.pt"
-    done = subprocess.run([sys.executable, RUNS, args[0], str(out), *map(str, args[1:])],
-                          capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = scenario("dropin_runs.py", args[0], out, *args[1:], timeout=timeout)
     return torch.load(out, weights_only=False), done.stderr
 
 

@@ -4,9 +4,6 @@ its outputs kept and read back, here (in this process) and on the worker it is p
 Lightning with the body frozen by hand, bit for bit."""
 
 import csv
-import os
-import subprocess
-import sys
 
 import lightning.pytorch as pl
 import pytest
@@ -14,15 +11,13 @@ import torch
 import torch.distributed.rpc as rpc
 from cache_runs import fit
 from lightning.pytorch.loggers import CSVLogger
+from scenario import scenario
 
 from examples.digits import DigitsData, DigitsModel
 from somatize import Refused
 from somatize.lightning import SomatizeCache, SomatizeStrategy
 from somatize.store import Store
 from somatize.torch._cached import CachedForward
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
 
 
 class BodyComputes(pl.Callback):
@@ -66,10 +61,7 @@ def test_a_cached_body_gives_the_numbers_of_a_frozen_one_and_does_not_run_in_epo
 
 def test_a_cached_body_placed_on_a_worker_is_kept_and_counted_over_there(tmp_path):
     out = tmp_path / "placed.pt"
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "cache_runs.py"),
-                           "placed", str(out), str(tmp_path / "store")],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
+    scenario("cache_runs.py", "placed", out, tmp_path / "store", timeout=300)
     got = torch.load(out, weights_only=False)
     (plain_losses, plain), (losses, weights) = got["plain"], got["cached"]
     assert losses == plain_losses

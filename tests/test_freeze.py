@@ -28,8 +28,10 @@ def test_freeze_stops_gradients_sets_eval_and_pays_for_the_digest_once():
     assert not any(p.requires_grad for p in enc.parameters())
     assert all(p.requires_grad for p in head.parameters())
     assert not enc.lin.training
-    assert enc._soma_digest == state_digest(enc) is not None
-    assert not hasattr(head, "_soma_digest")  # only what was declared frozen is settled
+    with pytest.raises(NotSettled, match="'encoder'"):  # before freeze it was refused
+        Graph.somatize(Encoder().frozen() >> Probe()).forward(x)
+    assert torch.equal(g.forward(x), head.lin(enc.lin(x)))  # settled: it runs as its layers do
+    assert RUNS == {"encoder": 1, "probe": 1}
     assert parameters(g) == head.parameters()
 
 

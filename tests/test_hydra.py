@@ -3,16 +3,12 @@
 
 import os
 import re
-import subprocess
-import sys
 
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
+from scenario import ROOT, scenario
 from test_torchrun import EMBEDDED_SAYS, EMBEDDED_SAYS_UNLESS
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
 
 
 def config(*overrides):
@@ -69,11 +65,9 @@ def test_cached_option_caches_the_body_by_name_and_adds_the_callback():
 
 
 def train(tmp_path, *overrides, timeout=240):
-    done = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train.py"), "trainer.max_epochs=1",
-         "data.limit=64", f"hydra.run.dir={tmp_path / 'run'}", *overrides],
-        cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=timeout)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = scenario(ROOT / "train.py", "trainer.max_epochs=1", "data.limit=64",
+                    f"hydra.run.dir={tmp_path / 'run'}", *overrides, cwd=tmp_path,
+                    timeout=timeout)
     return done.stdout + done.stderr
 
 

@@ -1,28 +1,20 @@
 """SomatizeStrategy with a real lightning.Trainer and a real worker process: each run
 is a subprocess (tests/lightning_runs.py), since RPC starts once per process."""
 
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 import torch
+from scenario import scenario, start
 from test_remote_standing import _free_port, _listening
 
 from somatize.store import open_keeper
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = os.path.join(ROOT, "tests", "lightning_runs.py")
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-
 
 def run(*args, timeout=240):
-    done = subprocess.run([sys.executable, RUNS, *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
+    return scenario("lightning_runs.py", *args, timeout=timeout)
 
 
 @pytest.mark.parametrize("accumulate", [1, 2])
@@ -94,9 +86,8 @@ def test_no_checkpoint_is_written_once_the_worker_holding_trained_weights_is_los
 
 def test_a_standing_worker_trains_the_body_and_one_process_also_uses_somatize_remote(tmp_path):
     port = _free_port()
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "somatize.worker", "--name", "worker", "--listen",
-         f"127.0.0.1:{port}"], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    daemon = start("-m", "somatize.worker", "--name", "worker", "--listen",
+                   f"127.0.0.1:{port}", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         assert _listening(port, time.monotonic() + 30), "the daemon never listened"
         out = tmp_path / "standing.pt"

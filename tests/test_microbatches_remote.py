@@ -4,18 +4,13 @@ its own (tests/micro_runs.py), since RPC starts once per process."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from micro_runs import EXACT
-from remote_run import HERE, env
+from scenario import HERE, scenario
 
 
 def run(what: str, timeout: float = 240) -> str:
-    r = subprocess.run([sys.executable, str(HERE / "micro_runs.py"), what], capture_output=True,
-                       text=True, timeout=timeout, env=env(), cwd=HERE)
-    assert r.returncode == 0, f"rc={r.returncode}\n{r.stdout}\n{r.stderr[-4000:]}"
-    return r.stdout
+    return scenario("micro_runs.py", what, timeout=timeout, cwd=HERE).stdout
 
 
 def test_micro_batches_over_workers_train_to_the_numbers_of_one_piece_on_the_same_cut():

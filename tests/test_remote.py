@@ -94,12 +94,8 @@ def test_a_normal_close_says_nothing_on_stderr(tmp_path):
     # ("encountered error when reading incoming request from gpu: EOF"): the close's order
     # must leave none. Trained and closed; two workers passing an RRef, closed together;
     # a group started again after the last worker left; one left open until exit.
-    import subprocess
-    import sys
+    from scenario import scenario
 
-    from remote_run import SCRIPTS, env
-
-    r = subprocess.run([sys.executable, str(SCRIPTS), "quiet_close"], capture_output=True,
-                       text=True, timeout=120, env=env(), cwd=tmp_path)
-    assert r.returncode == 0 and r.stdout.strip() == "done", r.stderr[-4000:]
+    r = scenario("remote_scripts.py", "quiet_close", timeout=120, cwd=tmp_path)
+    assert r.stdout.strip() == "done", r.stderr[-4000:]
     assert r.stderr == "", r.stderr[-4000:]

@@ -11,6 +11,7 @@ from blake3 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file
+from scenario import scenario
 
 import somatize.torch  # noqa: F401  (registers the tensor's codec)
 from somatize import Keeper, Kept, StoreError, codec
@@ -25,9 +26,7 @@ pytestmark = pytest.mark.usefixtures("say_again")
 def test_the_store_and_its_command_import_no_torch():
     code = ("import sys, somatize.store, somatize._store_cli, somatize._packing; "
             "assert 'torch' not in sys.modules, 'torch imported'")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 0, out.stderr
+    scenario("-c", code, timeout=60)
 
 
 # -- the questionnaire's store section --

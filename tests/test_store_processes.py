@@ -3,26 +3,23 @@ once, a writer SIGKILLed at each step of a write, and gc beside a writer."""
 
 import signal
 import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
 import torch
+from scenario import scenario, start
 from store_writer import value
 
 import somatize.torch  # noqa: F401  (registers the tensor's codec)
 from somatize._store_cli import main as store_cli
 from somatize.store import Store
 
-WRITER = str(Path(__file__).with_name("store_writer.py"))
 STEPS = [f"{what}:{step}" for what in ("blob", "name")
          for step in ("open", "partial", "written", "closed", "renamed")]
 
 
 def writer(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, WRITER, *map(str, args)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return start("store_writer.py", *args, text=False)
 
 
 def finish(p: subprocess.Popen) -> int:
@@ -46,9 +43,7 @@ def test_a_store_written_by_one_process_is_read_by_another(tmp_path):
     code = (f"import torch, somatize.torch; from somatize.store import Store; "
             f"t = Store({str(tmp_path)!r}).get('artifact/emb/x').value['t']; "
             f"torch.manual_seed(0); print(float(t.double().sum()))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr
+    out = scenario("-c", code, timeout=120)
     assert float(out.stdout) == float(t.double().sum())
 
 

@@ -1,11 +1,10 @@
 """Tensors through the local engine: modules as nodes, the seeds' Body, the codec."""
 
-import subprocess
-import sys
 
 import pytest
 import torch
 from models import Body, Head
+from scenario import scenario
 from torch import nn
 
 from somatize import Graph, Opaque, codec
@@ -16,8 +15,7 @@ from somatize.torch import ModuleNode, from_blob, node, to_blob
 
 def test_importing_somatize_imports_no_torch():
     code = "import somatize, sys; assert 'torch' not in sys.modules, 'torch was imported'"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
+    scenario("-c", code, timeout=60)
 
 
 def test_the_seeds_body_and_head_give_exactly_what_the_modules_give_by_hand():

@@ -3,26 +3,21 @@ rank 1 serves the body, both exit 0, and Hydra writes one output directory."""
 
 import os
 import re
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from scenario import ROOT, env, scenario
+
 # what starting an embedded worker logs when these are unset (test_hydra shows it does)
 EMBEDDED_SAYS = "shares this machine's cores"
 EMBEDDED_SAYS_UNLESS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def test_torchrun_runs_the_coordinator_and_the_worker_from_one_script(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    environ = env(OMP_NUM_THREADS="1")
     for name in EMBEDDED_SAYS_UNLESS:  # so that an embedded worker, if started, says so
-        env.pop(name, None)
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         os.path.join(ROOT, "train.py"), "+somatize=split", "trainer.max_epochs=1",
-         "data.limit=64", "test=false"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-3000:]
+        environ.pop(name, None)
+    done = scenario("-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                    ROOT / "train.py", "+somatize=split", "trainer.max_epochs=1",
+                    "data.limit=64", "test=false", cwd=tmp_path, environ=environ)
     out = done.stdout + done.stderr
     assert EMBEDDED_SAYS not in out  # no local worker was started: rank 1 was the worker
     body = re.search(r"module 'body' ran in process (\d+) \(worker 'worker'\)", out)

@@ -3,16 +3,10 @@ lane per process, spans named by node, transfers with their bytes, and one optim
 span per optimizer step on each side; the strategy logs its traffic each epoch."""
 
 import json
-import os
-import subprocess
-import sys
 from collections import Counter
 
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = os.path.join(ROOT, "tests", "dropin_runs.py")
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+from scenario import scenario
 
 
 def lanes(path):
@@ -26,9 +20,7 @@ def lanes(path):
 
 def test_a_split_fit_traces_each_process_in_its_own_lane(tmp_path):
     out = tmp_path / "traced.pt"
-    done = subprocess.run([sys.executable, RUNS, "traced", str(out)], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
+    scenario("dropin_runs.py", "traced", out, timeout=300)
     got = torch.load(out)
     for route, worker, node, steps in (("lightning", "worker", "encoder",
                                         got["lightning_steps"]),
