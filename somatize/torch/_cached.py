@@ -29,7 +29,8 @@ from .. import _holes
 from .._errors import Refused
 from .._keys import changed, fingerprint, key_of_input, key_of_node
 from .._say import say_once
-from ._freeze import digest_of, named_state, versions
+from ._freeze import digest_of, named_state
+from ._settings import Watch
 
 # the device types whose autocast state is part of a call's name
 _AUTOCAST = ("cpu", "cuda", "xpu", "mps")
@@ -58,16 +59,16 @@ class CachedForward:
         self.misses = 0
         self.active = True  # off: the module's own forward, nothing kept or read
         self._keeper: Any = None
-        self._seen: tuple | None = None  # the versions and settings the digest was taken at
+        self._watch: Watch | None = None  # what the digest was taken over, watched
         self.digest: str | None = None
         self.settle()
 
-    def settle(self, named: tuple | None = None) -> None:
+    def settle(self) -> None:
         """Digest the module's state and settings as they are now (after a checkpoint's
         weights are loaded); refused when a setting cannot be named."""
-        state, pieces = named or named_state(self.module, self.path, self.salt)
+        state, pieces = named_state(self.module, self.path, self.salt)
         self.digest = digest_of(state, pieces)
-        self._seen = (versions(state), pieces)
+        self._watch = Watch(self.module, state)
         classes = {type(m) for m in self.module.modules()}  # a child's code is its code too
         self.code = json.dumps(fingerprint(type(self.module), *sorted(
             classes, key=lambda c: (c.__module__, c.__qualname__))), sort_keys=True)
@@ -76,9 +77,8 @@ class CachedForward:
         if not self.active:
             return self.run(*args, **kwargs)
         _refuse_trained_input(self.path, args, kwargs)
-        named = named_state(self.module, self.path, self.salt)
-        if self._seen != (versions(named[0]), named[1]):
-            self.settle(named)  # its weights or settings were written: a new name
+        if self._watch is None or self._watch.changed(self.module):
+            self.settle()  # its weights or settings were written: a new name
         key = key_of_node(self.kind, self.digest, self.salt, [
             ("", key_of_input(args[0] if len(args) == 1 and not kwargs else (args, kwargs)))],
             autocast_state())
@@ -137,7 +137,7 @@ class CachedForward:
                 "(store='/scratch/soma', one the worker can reach)")
         state = dict(self.__dict__)
         state["_keeper"] = None  # opened again where it lands
-        state["_seen"] = None  # tensors there have versions of their own: digest again
+        state["_watch"] = None  # tensors there have versions of their own: digest again
         return state
 
 

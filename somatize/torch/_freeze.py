@@ -65,11 +65,6 @@ def _settings(m: torch.nn.Module, where: str, salt: str | None,
     return pieces
 
 
-def versions(state: list[tuple[str, torch.Tensor]]) -> tuple[int, ...]:
-    """The tensors' version counters: they move on every in-place write."""
-    return tuple(t._version for _, t in state)
-
-
 def state_digest(node: Any, where: str = "", salt: str | None = None) -> str | None:
     """The digest of what a node computes with: state and settings (None for a node with
     neither). Raises ``Refused`` for a setting that cannot be named (see ``named_state``)."""

@@ -110,3 +110,45 @@ def _named(v: Any, name: str, tensors: list, depth: int) -> str:
                  for f in dataclasses.fields(v)]
         return f"{type(v).__module__}.{type(v).__qualname__}({','.join(items)})"
     raise Unnamed(name, type(v).__qualname__)
+
+
+class Watch:
+    """Tells cheaply, at every call, whether what ``named_state`` read may have changed
+    since: a tensor written in place or replaced, a module swapped, an attribute set (by
+    identity: an equal value set again only costs a new digest)."""
+
+    def __init__(self, module: torch.nn.Module, state: list[tuple[str, torch.Tensor]]):
+        self.versions = [(t, t._version) for _, t in state]
+        self.seen = _seen(module)
+
+    def changed(self, module: torch.nn.Module) -> bool:
+        """Whether the module may compute differently than when this watch was set."""
+        return any(t._version != v for t, v in self.versions) or not _same(
+            _seen(module), self.seen)
+
+
+def _seen(module: torch.nn.Module) -> list:
+    # one pass: each module, its tensors by identity, and its own attributes with a
+    # shallow copy of the containers among them
+    return [(m, tuple(m._parameters.values()), tuple(m._buffers.values()),
+             [(k, v, (*v, *v.values()) if type(v) is dict else tuple(v)
+               if type(v) is list else None)
+              for k, v in m.__dict__.items() if k not in _BOOKKEEPING])
+            for m in module.modules()]
+
+
+def _same(now: list, then: list) -> bool:
+    if len(now) != len(then):
+        return False
+    for (m, ps, bs, items), (m0, ps0, bs0, items0) in zip(now, then, strict=True):
+        if m is not m0 or len(items) != len(items0) or not _identical(ps, ps0) or not (
+                _identical(bs, bs0)):
+            return False
+        for (k, v, inner), (k0, v0, inner0) in zip(items, items0, strict=True):
+            if k != k0 or v is not v0 or (inner is not None and not _identical(inner, inner0)):
+                return False
+    return True
+
+
+def _identical(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
