@@ -32,9 +32,6 @@ from .._say import say_once
 from ._freeze import digest_of, named_state
 from ._settings import Watch
 
-# the device types whose autocast state is part of a call's name
-_AUTOCAST = ("cpu", "cuda", "xpu", "mps")
-
 
 class CachedForward:
     """The module's forward, answered from ``store`` when its output is kept there.
@@ -80,8 +77,7 @@ class CachedForward:
         if self._watch is None or self._watch.changed(self.module):
             self.settle()  # its weights or settings were written: a new name
         key = key_of_node(self.kind, self.digest, self.salt, [
-            ("", key_of_input(args[0] if len(args) == 1 and not kwargs else (args, kwargs)))],
-            autocast_state())
+            ("", key_of_input(args[0] if len(args) == 1 and not kwargs else (args, kwargs)))])
         keeper = self.keeper()
         if key is None or keeper is None:
             return self.run(*args, **kwargs)  # an input without a codec: said by key_of_input
@@ -139,13 +135,6 @@ class CachedForward:
         state["_keeper"] = None  # opened again where it lands
         state["_watch"] = None  # tensors there have versions of their own: digest again
         return state
-
-
-def autocast_state() -> str | None:
-    """The autocast state of this call (device types where it is on, with their dtype):
-    it changes what a module computes, so it is part of the name."""
-    on = [f"{d}:{torch.get_autocast_dtype(d)}" for d in _AUTOCAST if torch.is_autocast_enabled(d)]
-    return "autocast " + ",".join(on) if on else None
 
 
 def on_device(value: Any, device: torch.device | None) -> Any:

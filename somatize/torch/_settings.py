@@ -9,7 +9,8 @@ A setting is named by value when it is plain data: None, bools, numbers, strings
 instances of those, and tuples, lists, sets and dicts of them. A tensor that is not a
 parameter or buffer is state: its content is digested with the rest. What cannot be named
 (an arbitrary object) is refused, naming the attribute and what to do, unless ``salt``
-says the caller names it.
+says the caller names it. The autocast state of the call is registered here as part of
+every key (``somatize._keys.call_state``), on both routes.
 """
 
 from __future__ import annotations
@@ -24,10 +25,23 @@ import torch
 from blake3 import blake3
 
 from .._errors import Refused
+from .._keys import call_state
 
+# the device types whose autocast state is part of every key
+_AUTOCAST = ("cpu", "cuda", "xpu", "mps")
 # what torch keeps on every module for itself (hooks, registries, the train flag)
 _BOOKKEEPING = frozenset(vars(torch.nn.Module())) | {"training"}
 _MAX_DEPTH = 8
+
+
+def autocast_state() -> str | None:
+    """The autocast state of this call (device types where it is on, with their dtype):
+    it changes what a module computes, so it is part of the name."""
+    on = [f"{d}:{torch.get_autocast_dtype(d)}" for d in _AUTOCAST if torch.is_autocast_enabled(d)]
+    return "autocast " + ",".join(on) if on else None
+
+
+call_state(autocast_state)
 
 
 class Unnamed(Exception):
