@@ -182,6 +182,23 @@ def _global_piece(value: Any, depth: int) -> str:
     return type(value).__qualname__
 
 
+# what a node's code is made of besides its own class (the classes of a module's children,
+# registered by somatize.torch)
+_trees: list[Callable[[Any], Iterable[type]]] = []
+
+
+def code_tree(read: Callable[[Any], Iterable[type]]) -> None:
+    """Register ``read``: the classes whose code a node runs besides its own class."""
+    if read not in _trees:
+        _trees.append(read)
+
+
+def classes_of(node: Any, cls: type) -> tuple[type, ...]:
+    """``cls`` and the classes registered readers find in ``node``, each once, in order."""
+    more = {c for read in _trees for c in read(node)} - {cls}
+    return (cls, *sorted(more, key=lambda c: (c.__module__, c.__qualname__)))
+
+
 def changed(old: dict[str, str], new: dict[str, str]) -> list[str]:
     """The methods whose code differs between two fingerprints."""
     return sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))

@@ -401,3 +401,15 @@ def test_on_the_graph_route_a_setting_and_the_autocast_state_are_in_the_name(tmp
         low = g.forward(x, store=tmp_path)
         assert torch.equal(low, body(x)) and not torch.equal(low, full)
     assert torch.equal(g.forward(x, store=tmp_path), full)  # autocast off again: a hit
+
+
+def test_on_the_graph_route_editing_a_submodules_forward_is_said_on_a_hit(tmp_path, say_again,
+                                                                        said):
+    torch.manual_seed(0)
+    outer = Outer().eval()
+    g = freeze(Graph.somatize(node(outer).frozen().cached()))
+    x = torch.randn(4, 8)
+    first = g.forward(x, store=tmp_path)
+    outer.inner.__class__ = EditedInner
+    assert torch.equal(g.forward(x, store=tmp_path), first)  # the code is not in the name
+    assert "Inner.forward changed since" in said()

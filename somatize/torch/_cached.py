@@ -27,7 +27,7 @@ import torch
 
 from .. import _holes
 from .._errors import Refused
-from .._keys import changed, fingerprint, key_of_input, key_of_node
+from .._keys import changed, classes_of, fingerprint, key_of_input, key_of_node
 from .._say import say_once
 from ._freeze import digest_of, named_state
 from ._settings import Watch
@@ -66,9 +66,8 @@ class CachedForward:
         state, pieces = named_state(self.module, self.path, self.salt)
         self.digest = digest_of(state, pieces)
         self._watch = Watch(self.module, state)
-        classes = {type(m) for m in self.module.modules()}  # a child's code is its code too
-        self.code = json.dumps(fingerprint(type(self.module), *sorted(
-            classes, key=lambda c: (c.__module__, c.__qualname__))), sort_keys=True)
+        classes = classes_of(self.module, type(self.module))  # a child's code is its too
+        self.code = json.dumps(fingerprint(*classes), sort_keys=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
