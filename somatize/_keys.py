@@ -16,7 +16,7 @@ import dis
 import json
 import struct
 import types
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from blake3 import blake3
@@ -57,17 +57,28 @@ def key_of_input(value: Any) -> str | None:
     return digest(["input", h.hexdigest()])
 
 
-def key_of_node(kind: str, state: str | None, salt: str | None, preds,
-                call: str | None = None) -> str | None:
+# what the state of a call adds to a key (the autocast state, registered by somatize.torch)
+_call_states: list[Callable[[], str | None]] = []
+
+
+def call_state(read: Callable[[], str | None]) -> None:
+    """Register ``read``: what it answers at naming time (None when nothing is on) is part
+    of every node's key, so a value computed under another state is never served."""
+    if read not in _call_states:
+        _call_states.append(read)
+
+
+def key_of_node(kind: str, state: str | None, salt: str | None, preds) -> str | None:
     """The key of a node's output; ``preds`` is ``[(pred_id, key)]`` (None if unnamed).
 
     A node with one predecessor is named by its key alone; a fan-in also by the
-    predecessor ids, since those are the keys of the dict the node is handed. ``call``
-    names the state of the call that changes what it computes (autocast, say).
+    predecessor ids, since those are the keys of the dict the node is handed. The state
+    of the call (registered with ``call_state``: autocast, say) is in it when on.
     """
     if any(k is None for _, k in preds):
         return None
     pieces = ["node", kind, state or "", salt or "", str(len(preds))]
+    call = ";".join(c for c in (read() for read in _call_states) if c)
     if call:
         pieces[0] = "node+call"  # never the name of a key without a call
         pieces.append(call)
@@ -169,6 +180,23 @@ def _global_piece(value: Any, depth: int) -> str:
     if isinstance(value, (type, types.ModuleType)):
         return getattr(value, "__qualname__", None) or value.__name__
     return type(value).__qualname__
+
+
+# what a node's code is made of besides its own class (the classes of a module's children,
+# registered by somatize.torch)
+_trees: list[Callable[[Any], Iterable[type]]] = []
+
+
+def code_tree(read: Callable[[Any], Iterable[type]]) -> None:
+    """Register ``read``: the classes whose code a node runs besides its own class."""
+    if read not in _trees:
+        _trees.append(read)
+
+
+def classes_of(node: Any, cls: type) -> tuple[type, ...]:
+    """``cls`` and the classes registered readers find in ``node``, each once, in order."""
+    more = {c for read in _trees for c in read(node)} - {cls}
+    return (cls, *sorted(more, key=lambda c: (c.__module__, c.__qualname__)))
 
 
 def changed(old: dict[str, str], new: dict[str, str]) -> list[str]:

@@ -9,13 +9,12 @@ cached ones; what is kept carries its code's fingerprint, compared on a hit.
 from __future__ import annotations
 
 import json
-import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ._holes import Runtime
-from ._keys import changed, fingerprint, key_of_input, key_of_node
+from ._keys import changed, classes_of, fingerprint, key_of_input, key_of_node
 from ._memory import state_digest
 from ._node import kind_of
 from ._say import say_once
@@ -104,16 +103,16 @@ def _code_of(node: Any) -> type:
     return getattr(node, "_soma_code", None) or type(node)
 
 
-# a class's fingerprint, read once per process: disassembling it costs milliseconds,
-# more than a hit saves on a small node
-_fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# the fingerprint of a tree of classes, read once per process: disassembling it costs
+# milliseconds, more than a hit saves on a small node
+_fingerprints: dict[tuple[type, ...], str] = {}
 
 
 def _fingerprint_of(node: Any) -> str:
-    cls = _code_of(node)
-    if cls not in _fingerprints:
-        _fingerprints[cls] = json.dumps(fingerprint(cls), sort_keys=True)
-    return _fingerprints[cls]
+    classes = classes_of(node, _code_of(node))  # the node's module's children too
+    if classes not in _fingerprints:
+        _fingerprints[classes] = json.dumps(fingerprint(*classes), sort_keys=True)
+    return _fingerprints[classes]
 
 
 def keep(graph, keeper, n: str, key: str, value: Any) -> None:

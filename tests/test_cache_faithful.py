@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from somatize import Refused
+from somatize import Graph, Refused
 from somatize._store_cli import main as store_main
 from somatize.lightning import SomatizeCache
 from somatize.store import Store
+from somatize.torch import freeze, node
 from somatize.torch._cached import CachedForward, on_device
 
 
@@ -382,3 +383,33 @@ def test_a_value_is_moved_to_a_device_keeping_its_class_and_dtypes(kind):
         assert moved.first.device.type == "meta" and moved.first.dtype == torch.half
     else:
         assert moved.n == 3
+
+
+# -- the graph route names the same way ------------------------------------------------------
+
+def test_on_the_graph_route_a_setting_and_the_autocast_state_are_in_the_name(tmp_path):
+    torch.manual_seed(0)
+    body = Body()
+    g = freeze(Graph.somatize(node(body).frozen().cached()))
+    x = torch.randn(4, 8)
+    assert torch.equal(g.forward(x, store=tmp_path), body(x))
+    body.bn.eps = 0.1
+    freeze(g)  # settled again: the digest covers the settings
+    full = g.forward(x, store=tmp_path)
+    assert torch.equal(full, body(x))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = g.forward(x, store=tmp_path)
+        assert torch.equal(low, body(x)) and not torch.equal(low, full)
+    assert torch.equal(g.forward(x, store=tmp_path), full)  # autocast off again: a hit
+
+
+def test_on_the_graph_route_editing_a_submodules_forward_is_said_on_a_hit(tmp_path, say_again,
+                                                                        said):
+    torch.manual_seed(0)
+    outer = Outer().eval()
+    g = freeze(Graph.somatize(node(outer).frozen().cached()))
+    x = torch.randn(4, 8)
+    first = g.forward(x, store=tmp_path)
+    outer.inner.__class__ = EditedInner
+    assert torch.equal(g.forward(x, store=tmp_path), first)  # the code is not in the name
+    assert "Inner.forward changed since" in said()

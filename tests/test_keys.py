@@ -115,3 +115,25 @@ def test_the_fingerprint_says_which_method_changed():
             return 0
 
     assert [c.split(".")[-2:] for c in changed(old, fingerprint(A))] == [["A", "forward"]]
+
+
+def test_the_autocast_state_is_in_every_key_and_off_changes_nothing():
+    p = [("", "k")]
+    plain = key_of_node("Enc", "s", None, p)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        low = key_of_node("Enc", "s", None, p)
+    with torch.autocast("cpu", dtype=torch.float16):
+        half = key_of_node("Enc", "s", None, p)
+    assert len({plain, low, half}) == 3
+    assert key_of_node("Enc", "s", None, p) == plain
+
+
+class Leaf(torch.nn.Module):
+    def forward(self, x):
+        return x
+
+
+def test_the_fingerprint_of_a_tree_covers_each_class_once():
+    both = fingerprint(torch.nn.Sequential, Leaf, Leaf)
+    assert [k for k in both if k.startswith("Leaf.")] == ["Leaf.forward"]
+    assert fingerprint(Leaf) == both  # torch's own classes are torch's version, not code

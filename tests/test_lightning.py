@@ -92,10 +92,14 @@ def test_the_cache_settles_the_body_keeps_its_outputs_and_its_counts_in_checkpoi
     assert cache.misses > 0 and cache.hits >= cache.misses  # epoch 2 found epoch 1's
     # reported to the logger once an epoch, adding up to the totals; the second computed none
     with open(next(tmp_path.rglob("metrics.csv"))) as f:
-        rows = [r for r in csv.DictReader(f) if r.get("cache/hits")]
-    by_epoch = [(float(r["cache/hits"]), float(r["cache/misses"])) for r in rows]
+        rows = list(csv.DictReader(f))
+    by_epoch = [(float(r["cache/hits"]), float(r["cache/misses"])) for r in rows
+                if r.get("cache/hits")]
+    val = [(float(r["cache/val_hits"]), float(r["cache/val_misses"])) for r in rows
+           if r.get("cache/val_hits")]
     assert len(by_epoch) == 2 and by_epoch[1][1] == 0.0, by_epoch
-    assert [sum(c) for c in zip(*by_epoch, strict=True)] == [cache.hits, cache.misses]
+    assert len(val) == 2 and val[1][1] == 0.0, val  # validation in its own names
+    assert [sum(c) for c in zip(*by_epoch, *val, strict=True)] == [cache.hits, cache.misses]
     ckpt = next((tmp_path / "checkpoints").glob("*.ckpt"), None) or next(
         tmp_path.rglob("*.ckpt"))
     state = torch.load(ckpt, weights_only=False)["callbacks"]["SomatizeCache"]

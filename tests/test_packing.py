@@ -4,6 +4,10 @@ and a property-based fuzz of ``unpack`` over random, crafted and mutated files).
 import json
 import math
 import struct
+import sys
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import pytest
 import safetensors
@@ -363,7 +367,13 @@ tags = st.recursive(
     lambda inner: st.builds(lambda v: {"l": v}, st.lists(inner, max_size=3))
     | st.builds(lambda v: {"t": v}, st.lists(inner, max_size=3))
     | st.builds(lambda kv: {"d": kv}, st.lists(st.lists(inner, min_size=1, max_size=3),
-                                                max_size=2)),
+                                                max_size=2))
+    | st.builds(lambda p, k, kv: {"c": [p, k, kv]},
+                st.sampled_from(["builtins:dict", "collections:OrderedDict", "os:PathLike",
+                                 "test_packing:Point", "never_imported_q:X", "x", ""]),
+                st.sampled_from(["namedtuple", "dataclass", "mapping", "zz"]),
+                st.lists(st.lists(inner | st.sampled_from(["x", "y"]), min_size=1, max_size=3),
+                         max_size=2)),
     max_leaves=10)
 
 
@@ -390,3 +400,52 @@ def test_crafted_headers_never_make_unpack_misbehave(header_and_size, structure,
     raw = crafted({"__metadata__": {"somatize/1": json.dumps(structure)}, **header},
                   data[:max(size, 0)] if size <= 80 else data)
     read_safely(raw)
+
+
+# -- classes kept as data --
+
+class Point(NamedTuple):
+    x: Any
+    y: Any
+
+
+@dataclass(frozen=True)
+class Box:
+    inner: Any
+    n: int = 0
+    seen: list = field(default_factory=list, init=False)
+
+
+class Attrs(OrderedDict):
+    def __getattr__(self, k):
+        return self[k]
+
+
+def test_namedtuples_dataclasses_and_mappings_come_back_as_their_own_classes_nested():
+    value = {"p": Point(Box(torch.ones(2), 3), Attrs(a=Point(1, [2.5, "s"]))), "plain": (1, 2)}
+    back = unpack(in_aligned(packed(value)))
+    assert type(back["p"]) is Point and type(back["p"].x) is Box and back["p"].x.n == 3
+    assert torch.equal(back["p"].x.inner, torch.ones(2)) and back["p"].x.seen == []
+    assert type(back["p"].y) is Attrs and back["p"].y.a == Point(1, [2.5, "s"])
+    assert type(back["plain"]) is tuple and back["plain"] == (1, 2)
+    assert "Point" in header_of(packed(value))["__metadata__"]["somatize/1"]  # as data
+
+
+def test_a_class_that_could_not_come_back_as_it_is_is_refused_when_packed():
+    class Local(NamedTuple):
+        a: int
+
+    with pytest.raises(ValueError, match="defined inside a function"):
+        pack(Local(1))
+    extra = Attrs(a=1)
+    extra.__dict__["note"] = "kept nowhere"
+    with pytest.raises(ValueError, match=r"attributes beyond its mapping fields \(\['note'\]\)"):
+        pack(extra)
+
+
+def test_reading_a_class_never_imports_it_and_verify_finds_no_damage():
+    raw = crafted({}, structure={"c": ["never_imported_q:X", "namedtuple", [["a", 1]]]})
+    with pytest.raises(Unpackable, match="is not imported in this process"):
+        unpack(in_aligned(raw))
+    check(in_aligned(raw))  # not damage
+    assert "never_imported_q" not in sys.modules

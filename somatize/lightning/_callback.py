@@ -230,11 +230,13 @@ class SomatizeCache(pl.Callback):
     @override
     def on_validation_epoch_start(self, trainer: pl.Trainer,
                                   pl_module: pl.LightningModule) -> None:
-        self.stages.begin("val", self._counts())
+        if not trainer.sanity_checking:  # Lightning's dry run: not counted, as not logged
+            self.stages.begin("val", self._counts())
 
     @override
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._end_stage("val", pl_module)
+        if not trainer.sanity_checking:
+            self._end_stage("val", pl_module)
 
     @override
     def on_test_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

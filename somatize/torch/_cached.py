@@ -27,12 +27,10 @@ import torch
 
 from .. import _holes
 from .._errors import Refused
-from .._keys import changed, fingerprint, key_of_input, key_of_node
+from .._keys import changed, classes_of, fingerprint, key_of_input, key_of_node
 from .._say import say_once
-from ._freeze import digest_of, named_state, versions
-
-# the device types whose autocast state is part of a call's name
-_AUTOCAST = ("cpu", "cuda", "xpu", "mps")
+from ._freeze import digest_of, named_state
+from ._settings import Watch
 
 
 class CachedForward:
@@ -58,30 +56,27 @@ class CachedForward:
         self.misses = 0
         self.active = True  # off: the module's own forward, nothing kept or read
         self._keeper: Any = None
-        self._seen: tuple | None = None  # the versions and settings the digest was taken at
+        self._watch: Watch | None = None  # what the digest was taken over, watched
         self.digest: str | None = None
         self.settle()
 
-    def settle(self, named: tuple | None = None) -> None:
+    def settle(self) -> None:
         """Digest the module's state and settings as they are now (after a checkpoint's
         weights are loaded); refused when a setting cannot be named."""
-        state, pieces = named or named_state(self.module, self.path, self.salt)
+        state, pieces = named_state(self.module, self.path, self.salt)
         self.digest = digest_of(state, pieces)
-        self._seen = (versions(state), pieces)
-        classes = {type(m) for m in self.module.modules()}  # a child's code is its code too
-        self.code = json.dumps(fingerprint(type(self.module), *sorted(
-            classes, key=lambda c: (c.__module__, c.__qualname__))), sort_keys=True)
+        self._watch = Watch(self.module, state)
+        classes = classes_of(self.module, type(self.module))  # a child's code is its too
+        self.code = json.dumps(fingerprint(*classes), sort_keys=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
             return self.run(*args, **kwargs)
         _refuse_trained_input(self.path, args, kwargs)
-        named = named_state(self.module, self.path, self.salt)
-        if self._seen != (versions(named[0]), named[1]):
-            self.settle(named)  # its weights or settings were written: a new name
+        if self._watch is None or self._watch.changed(self.module):
+            self.settle()  # its weights or settings were written: a new name
         key = key_of_node(self.kind, self.digest, self.salt, [
-            ("", key_of_input(args[0] if len(args) == 1 and not kwargs else (args, kwargs)))],
-            autocast_state())
+            ("", key_of_input(args[0] if len(args) == 1 and not kwargs else (args, kwargs)))])
         keeper = self.keeper()
         if key is None or keeper is None:
             return self.run(*args, **kwargs)  # an input without a codec: said by key_of_input
@@ -137,15 +132,8 @@ class CachedForward:
                 "(store='/scratch/soma', one the worker can reach)")
         state = dict(self.__dict__)
         state["_keeper"] = None  # opened again where it lands
-        state["_seen"] = None  # tensors there have versions of their own: digest again
+        state["_watch"] = None  # tensors there have versions of their own: digest again
         return state
-
-
-def autocast_state() -> str | None:
-    """The autocast state of this call (device types where it is on, with their dtype):
-    it changes what a module computes, so it is part of the name."""
-    on = [f"{d}:{torch.get_autocast_dtype(d)}" for d in _AUTOCAST if torch.is_autocast_enabled(d)]
-    return "autocast " + ",".join(on) if on else None
 
 
 def on_device(value: Any, device: torch.device | None) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from blake3 import blake3
 
-from .._keys import digest
+from .._keys import code_tree, digest
 from .._memory import params_of
 from ._codec import to_blob
 from ._settings import settings_of
@@ -24,6 +24,14 @@ def modules_of(node: Any) -> list[tuple[str, torch.nn.Module]]:
     if isinstance(node, torch.nn.Module):
         return [("", node)]
     return sorted((k, v) for k, v in vars(node).items() if isinstance(v, torch.nn.Module))
+
+
+def classes_in(node: Any) -> list[type]:
+    """The classes of every module a node holds, children included: their code is its."""
+    return [type(m) for _, module in modules_of(node) for m in module.modules()]
+
+
+code_tree(classes_in)
 
 
 def state_of(node: Any) -> list[tuple[str, torch.Tensor]]:
@@ -63,11 +71,6 @@ def _settings(m: torch.nn.Module, where: str, salt: str | None,
             seen.add(id(t))
             state.append((dot + k, t))
     return pieces
-
-
-def versions(state: list[tuple[str, torch.Tensor]]) -> tuple[int, ...]:
-    """The tensors' version counters: they move on every in-place write."""
-    return tuple(t._version for _, t in state)
 
 
 def state_digest(node: Any, where: str = "", salt: str | None = None) -> str | None:

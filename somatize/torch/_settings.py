@@ -9,7 +9,8 @@ A setting is named by value when it is plain data: None, bools, numbers, strings
 instances of those, and tuples, lists, sets and dicts of them. A tensor that is not a
 parameter or buffer is state: its content is digested with the rest. What cannot be named
 (an arbitrary object) is refused, naming the attribute and what to do, unless ``salt``
-says the caller names it.
+says the caller names it. The autocast state of the call is registered here as part of
+every key (``somatize._keys.call_state``), on both routes.
 """
 
 from __future__ import annotations
@@ -24,10 +25,23 @@ import torch
 from blake3 import blake3
 
 from .._errors import Refused
+from .._keys import call_state
 
+# the device types whose autocast state is part of every key
+_AUTOCAST = ("cpu", "cuda", "xpu", "mps")
 # what torch keeps on every module for itself (hooks, registries, the train flag)
 _BOOKKEEPING = frozenset(vars(torch.nn.Module())) | {"training"}
 _MAX_DEPTH = 8
+
+
+def autocast_state() -> str | None:
+    """The autocast state of this call (device types where it is on, with their dtype):
+    it changes what a module computes, so it is part of the name."""
+    on = [f"{d}:{torch.get_autocast_dtype(d)}" for d in _AUTOCAST if torch.is_autocast_enabled(d)]
+    return "autocast " + ",".join(on) if on else None
+
+
+call_state(autocast_state)
 
 
 class Unnamed(Exception):
@@ -110,3 +124,45 @@ def _named(v: Any, name: str, tensors: list, depth: int) -> str:
                  for f in dataclasses.fields(v)]
         return f"{type(v).__module__}.{type(v).__qualname__}({','.join(items)})"
     raise Unnamed(name, type(v).__qualname__)
+
+
+class Watch:
+    """Tells cheaply, at every call, whether what ``named_state`` read may have changed
+    since: a tensor written in place or replaced, a module swapped, an attribute set (by
+    identity: an equal value set again only costs a new digest)."""
+
+    def __init__(self, module: torch.nn.Module, state: list[tuple[str, torch.Tensor]]):
+        self.versions = [(t, t._version) for _, t in state]
+        self.seen = _seen(module)
+
+    def changed(self, module: torch.nn.Module) -> bool:
+        """Whether the module may compute differently than when this watch was set."""
+        return any(t._version != v for t, v in self.versions) or not _same(
+            _seen(module), self.seen)
+
+
+def _seen(module: torch.nn.Module) -> list:
+    # one pass: each module, its tensors by identity, and its own attributes with a
+    # shallow copy of the containers among them
+    return [(m, tuple(m._parameters.values()), tuple(m._buffers.values()),
+             [(k, v, (*v, *v.values()) if type(v) is dict else tuple(v)
+               if type(v) is list else None)
+              for k, v in m.__dict__.items() if k not in _BOOKKEEPING])
+            for m in module.modules()]
+
+
+def _same(now: list, then: list) -> bool:
+    if len(now) != len(then):
+        return False
+    for (m, ps, bs, items), (m0, ps0, bs0, items0) in zip(now, then, strict=True):
+        if m is not m0 or len(items) != len(items0) or not _identical(ps, ps0) or not (
+                _identical(bs, bs0)):
+            return False
+        for (k, v, inner), (k0, v0, inner0) in zip(items, items0, strict=True):
+            if k != k0 or v is not v0 or (inner is not None and not _identical(inner, inner0)):
+                return False
+    return True
+
+
+def _identical(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
