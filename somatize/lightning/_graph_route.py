@@ -47,11 +47,11 @@ class GraphRoute(Route):
     @classmethod
     def open(cls, strategy: Any, trainer: Any, trains: Mapping[str, Any]) -> GraphRoute | None:
         model = strategy.lightning_module
+        chosen = _trains(strategy, model, trainer, trains) if trainer.training else {}
         named = {name: m for name, m in model.named_modules()
                  if isinstance(m, GraphModule) and m.graph.placement.hosts}
         if not named:
             return None
-        chosen = _trains(strategy, model, trainer, trains) if trainer.training else {}
         if chosen:
             _limits(strategy, trainer)
         runs = {}
