@@ -10,7 +10,10 @@ from both ``WorkerError`` and its own; a lost worker stays ``WorkerError``.
 
 from __future__ import annotations
 
+import linecache
 import pickle
+import re
+import sys
 import traceback
 from dataclasses import dataclass
 
@@ -56,7 +59,7 @@ def caught(e: BaseException) -> Raised:
 
 def rebuilt(r: Raised, where: str) -> BaseException:
     """Here: the exception ``r`` carries, raised in ``where`` (the module and worker)."""
-    cause = WorkerTraceback(f"traceback on {where}:\n{r.trace}")
+    cause = WorkerTraceback(f"traceback on {where}:\n{_named(r.trace)}")
     e = _instance(r, where)
     if e is None:
         cls = _class(r)
@@ -65,6 +68,20 @@ def rebuilt(r: Raised, where: str) -> BaseException:
         e = WorkerError(f"{where} raised {r.name}: {r.message}")
     e.__cause__ = cause
     return e
+
+
+def _named(trace: str) -> str:
+    # code sent by value (the script's) runs over there under cloudpickle's
+    # "<dynamic-code>": it is the script's, so its file and line are said as here
+    main = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not main:
+        return trace
+
+    def line(m: re.Match) -> str:
+        source = linecache.getline(main, int(m[1])).strip()
+        return f'File "{main}", line {m[1]}, in {m[2]}' + (f"\n    {source}" if source else "")
+
+    return re.sub(r'File "<dynamic-code>", line (\d+), in (\S+)', line, trace)
 
 
 def _instance(r: Raised, where: str) -> BaseException | None:
