@@ -303,12 +303,19 @@ class KeepsNet(pl.LightningModule):
 
 
 class Copies(pl.Callback):
-    """Pickles and deep-copies the placed module mid-fit; notes its type."""
+    """Pickles and deep-copies the placed module mid-fit (after each step): what the
+    copies carry, and the class the module has."""
 
-    def on_train_epoch_end(self, trainer, pl_module):
+    def __init__(self):
+        self.copies = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
         net = pl_module.net
-        self.seen = (type(net).__name__, "_compiled_call_impl" in pickle.loads(
-            pickle.dumps(net)).__dict__, type(copy.deepcopy(net)).__name__)
+        pickled = pickle.loads(pickle.dumps(net))
+        self.copies.append((copy.deepcopy(net).state_dict(), pickled.state_dict()))
+        self.seen = (type(net).__name__, "_compiled_call_impl" in pickled.__dict__,
+                     type(copy.deepcopy(net)).__name__,
+                     sorted({type(p).__name__ for p in pickled.parameters()}))
 
 
 def pickles(out):
@@ -324,8 +331,83 @@ def pickles(out):
         ckpt = torch.load(os.path.join(where, "last.ckpt"), weights_only=False)
         got[name] = {"state": ckpt["state_dict"], "net": ckpt["hyper_parameters"]["net"]
                      .state_dict(), "optim": ckpt["optimizer_states"][0]["state"],
-                     "seen": copies.seen}
+                     "seen": copies.seen, "copies": copies.copies}
     torch.save(got, out)
+
+
+class Mean(pl.Callback):
+    """A mean teacher: a target encoder here (not placed) follows the placed encoder's
+    weights after each step; and the bytes received while steps run."""
+
+    def __init__(self, follow=True):
+        self.follow, self.received = follow, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
+        if self.follow:
+            with torch.no_grad():
+                for t, o in zip(pl_module.target.parameters(), pl_module.encoder.parameters(),
+                                strict=True):
+                    t.mul_(0.9).add_(o.detach(), alpha=0.1)
+        traffic = getattr(trainer.strategy, "traffic", None)
+        self.received.append(traffic()[2] if traffic else 0)
+
+
+class Teacher(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 8))
+        self.target = nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 8))
+        self.target.requires_grad_(False)
+        self.head = nn.Linear(8, 64)
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        h = self.encoder(x)
+        loss = F.mse_loss(self.head(h), x) + F.mse_loss(h, self.target(x))
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-2)
+
+
+def readers(out):
+    """Readers of the placed weights here get current values: Lightning's
+    EMAWeightAveraging, a mean-teacher target; a fit without one brings none back."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging
+
+    got = {}
+    for name, strategy in (("plain", "auto"), ("split", SomatizeStrategy(place={
+            "encoder": "w"})), ("quiet", SomatizeStrategy(place={"encoder": "w"}))):
+        pl.seed_everything(0)
+        mean, ema = Mean(follow=name != "quiet"), EMAWeightAveraging(decay=0.8)
+        model = Teacher()
+        _, losses, weights = fit(model, strategy, digits(), max_steps=6,
+                                 callbacks=[mean, *([ema] if name != "quiet" else [])])
+        got[name] = {"losses": losses, "weights": weights, "received": mean.received,
+                     "ran": strategy.where().get("", {}) if name != "plain" else {}}
+    got["weight_bytes"] = sum(p.numel() * 4 for p in Teacher().encoder.parameters())
+    got["pid"] = os.getpid()
+    torch.save(got, out)
+
+
+class Compiles(pl.Callback):
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
+        if i == 1:
+            pl_module.encoder[2].compile()
+
+
+def compiled(out):
+    """An in-place compile() of a placed module is refused at once, naming it."""
+    from somatize import Refused
+
+    said = ""
+    try:
+        fit(Teacher(), SomatizeStrategy(place={"encoder": "w"}), digits(), max_steps=4,
+            callbacks=[Compiles()])
+    except Refused as e:
+        said = str(e)
+    torch.save({"said": said}, out)
 
 
 def many(out, *cases):

@@ -6,6 +6,7 @@ subprocess (tests/placed_runs.py), against plain Lightning bit for bit."""
 
 import collections
 import dataclasses
+import itertools
 import os
 import pickle
 import subprocess
@@ -19,7 +20,7 @@ from somatize.torch._tree import tree_flatten, tree_unflatten
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(ROOT, "tests", "placed_runs.py")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
-CASES = ["outputs", "raises", "attributes", "side", "cache", "pickles"]
+CASES = ["outputs", "raises", "attributes", "side", "cache", "pickles", "readers", "compiled"]
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +70,7 @@ def test_attributes_set_here_reach_the_worker_before_its_next_call(ran):
     got = ran("attributes")
     exact(got)
     plain, split = got["seen"]
-    assert len(plain) == 3 and split == plain
+    assert len(plain) >= 6 and split == plain  # sanity check and three epochs
 
 
 def test_what_the_forward_leaves_on_its_modules_comes_back_and_trains(ran):
@@ -88,7 +89,13 @@ def test_the_placed_module_pickles_into_checkpoints_as_plain_lightnings(ran):
     # lightning-hydra-template keeps net in hparams: its checkpoint carries net's weights
     got = ran("pickles")
     plain, split = got["plain"], got["split"]
-    assert split["seen"] == plain["seen"] == ("Sequential", False, "Sequential")
+    assert split["seen"] == plain["seen"] == ("Sequential", False, "Sequential",
+                                              ["Parameter"])
+    # copies and pickles taken after each step carry the weights of that moment
+    assert len(plain["copies"]) == len(split["copies"]) >= 6
+    for mine, theirs in zip(split["copies"], plain["copies"], strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            assert all(torch.equal(a[k], b[k]) for k in b)
     for part in ("state", "net"):
         assert plain[part].keys() == split[part].keys()
         for k in plain[part]:
@@ -96,6 +103,28 @@ def test_the_placed_module_pickles_into_checkpoints_as_plain_lightnings(ran):
     for i, st in plain["optim"].items():
         for k, v in st.items():
             assert torch.equal(split["optim"][i][k], v), (i, k)
+
+
+def test_readers_of_the_placed_weights_get_current_values_and_no_reader_costs_nothing(ran):
+    # Lightning's EMAWeightAveraging and a mean-teacher target that follows the placed
+    # encoder after each step: exact. Without them, steps bring no weights back
+    got = ran("readers")
+    plain, split, quiet = got["plain"], got["split"], got["quiet"]
+    assert len(plain["losses"]) == 6 and split["losses"] == plain["losses"]
+    for k, v in plain["weights"].items():
+        assert torch.equal(split["weights"][k], v), k
+    assert got["pid"] not in split["ran"]["encoder"]
+    w = got["weight_bytes"]
+    between = [b - a for a, b in itertools.pairwise(quiet["received"])]
+    assert all(0 < d < w / 4 for d in between), between  # the outputs, no weights
+    read = [b - a for a, b in itertools.pairwise(split["received"])]
+    assert all(d >= w for d in read), read  # each step's read brought them
+
+
+def test_an_in_place_compile_of_a_placed_module_is_refused_naming_it(ran):
+    said = ran("compiled")["said"]
+    assert "encoder.2.compile() was called in place" in said and "worker 'w'" in said
+    assert "Compile before placing it" in said
 
 
 # -- the walker, in this process ---------------------------------------------------------

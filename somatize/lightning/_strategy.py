@@ -324,6 +324,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         for run in self.runs.values():
             run.discard()  # a step whose loss got no backward leaves nothing behind
+        if self.dropin is not None:
+            self.dropin.check()  # an in-place compile() since the last step: refused now
         return super().training_step(*args, **kwargs)
 
     @override

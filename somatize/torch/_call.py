@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,11 +27,14 @@ class TensorHere:
     """Marks, among a structure's plain leaves, where a tensor stood (it travels apart)."""
 
 
-@dataclass(frozen=True)
 class Same:
-    """An argument tensor the forward left as it was: the caller's own tensor ``i``."""
+    """An argument tensor the forward left as it was: the caller's own tensor ``i`` (a
+    leaf to the walker, not a dataclass it would walk into)."""
 
-    i: int
+    __slots__ = ("i",)
+
+    def __init__(self, i: int):
+        self.i = i
 
 
 def pack(flat: list) -> tuple[list, list]:
@@ -156,3 +158,10 @@ def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
                 for leaf in leaves]
     except Exception as e:
         return caught(e)
+
+
+def _weights(live, name: str, ops: list) -> dict:
+    """The module's weights and buffers now (on the CPU), once ``ops`` are applied."""
+    placed = live.catalog[name]
+    _apply(placed, ops)
+    return {k: v.detach().to("cpu", copy=True) for k, v in placed.module.state_dict().items()}

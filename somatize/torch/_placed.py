@@ -30,10 +30,11 @@ import torch
 
 from .._errors import Refused
 from .._trace import span
+from ._fresh import fresh, unfresh
 from ._math import math_flags, set_math
 from ._module import ModuleNode
 from ._ordinary import Attributes, into
-from ._private import route_calls, routed_to
+from ._private import plainly, route_calls, routed_to
 from ._raised import Raised, rebuilt
 from ._tree import tree_flatten, tree_unflatten
 
@@ -235,6 +236,7 @@ class Link:
         self.own_threads = step.runtime.spec(host).threads is not None
         self.versions: dict[str, int] = {}
         self.fitting = False
+        self.stale = False  # the weights here are behind the ones over there
         self.chosen = False  # trained over there by the user's choice, not by mirrors
         self._inflight: list = []  # backwards sent and not yet answered
         self._routes: dict[int, Any] = {}  # id(module) -> what its calls are routed to
@@ -258,8 +260,11 @@ class Link:
         self._hooked = [_hook_count(child) for _, child in self._children]
         self.attributes = Attributes(self.module)
         self.remember()
+        self.buffered = any(True for _ in self.module.buffers())
+        fresh(self)  # its weights here answer reads current
 
     def uninstall(self) -> None:
+        unfresh(self)
         for m in self.module.modules():
             if routed_to(m) is self._routes.get(id(m)):
                 route_calls(m, None)
@@ -291,7 +296,8 @@ class Link:
         if modes != self.modes:
             self.ops.append(("modes", modes))
             self.modes = modes
-        flags = tuple(p.requires_grad for p in self.module.parameters())
+        with plainly():
+            flags = tuple(p.requires_grad for p in self.module.parameters())
         if flags != self.flags:
             self.ops.append(("requires_grad", flags))
             self.flags = flags
@@ -316,6 +322,7 @@ class Link:
             self.answer = [_moved(t, here) for t in self.answer]
         torch.set_rng_state(rng)  # what one piece's draws would have left it at
         self.step.ran.setdefault(self.name, Counter())[pid] += 1
+        self.stale = self.stale or self.buffered  # its buffers may have moved over there
         outs = self.answer
         if kept:  # something over there asks for dL/d(outputs): the call is in the graph
             self.needs[call] = needs
@@ -381,6 +388,7 @@ class Link:
         """Optimizer ``i`` stepped here: its mirror steps over there, with its groups'
         hyper-parameters as they are now (a scheduler's lr included)."""
         self.ops.append(("step", i, [_hyper(optimizer.param_groups[g]) for g, _ in groups]))
+        self.stale = True
 
     def zeroed(self, i: int, set_to_none: bool) -> None:
         self.ops.append(("zero", "chosen" if self.chosen else i, set_to_none))
@@ -423,12 +431,26 @@ class Link:
     # -- the weights here -------------------------------------------------------------------
     def pull(self) -> dict:
         """Bring the weights here up to date; return the mirrors' states by parameter name."""
+        self.stale = False
         self.catch_writes()
         ops, self.ops = self.ops, []
         got = self._rpc(_state, self.name, ops)
-        _copy_into(self.module, got["weights"])
+        with plainly():
+            _copy_into(self.module, got["weights"])
         self.remember()
         return got["optimizers"]
+
+    def bring(self) -> None:
+        """A read here of the weights, stale since the module stepped or ran over there:
+        bring them up to date first (weights only: one round trip)."""
+        self.stale = False
+        self.check()
+        self.catch_writes()
+        ops, self.ops = self.ops, []
+        got = self._rpc(_weights, self.name, ops)
+        with plainly():
+            _copy_into(self.module, got)
+        self.remember()
 
     def catch_hooks(self) -> None:
         """A hook put on a child here since the module was sent never runs (the child runs
@@ -446,13 +468,16 @@ class Link:
             self._hooked[k] = now
 
     def remember(self) -> None:
-        self.versions = {k: t._version for k, t in self.module.state_dict(keep_vars=True).items()}
+        with plainly():
+            self.versions = {k: t._version
+                             for k, t in self.module.state_dict(keep_vars=True).items()}
 
     def catch_writes(self) -> None:
         """A write here since the last sync (SWA, load_state_dict): sent over there."""
-        now = self.module.state_dict(keep_vars=True)
-        changed = {k: t.detach().clone() for k, t in now.items()
-                   if t._version != self.versions.get(k)}
+        with plainly():
+            now = self.module.state_dict(keep_vars=True)
+            changed = {k: t.detach().clone() for k, t in now.items()
+                       if t._version != self.versions.get(k)}
         if changed:
             self.ops.append(("weights", changed))
             self.remember()
@@ -487,4 +512,4 @@ def _refuse_here(link: Link, path: str, child: torch.nn.Module, *args: Any,
     return child._call_impl(*args, **kwargs)  # outside fit: the copy here is current
 
 
-from ._call import Same, _backward, _call, dumps, pack, unpack  # noqa: E402  (needs the above)
+from ._call import Same, _backward, _call, _weights, dumps, pack, unpack  # noqa: E402  (needs the above)

@@ -27,3 +27,9 @@ def route_calls(module: torch.nn.Module, fn: Any) -> None:
 def routed_to(module: torch.nn.Module) -> Any:
     """What ``module(...)`` is routed to (``None``: its own call)."""
     return module.__dict__.get("_compiled_call_impl")
+
+
+def plainly() -> Any:
+    """A context in which tensor subclasses' ``__torch_function__`` is not called (what
+    somatize's own reads and writes of the placed weights here run under)."""
+    return torch._C.DisableTorchFunctionSubclass()
