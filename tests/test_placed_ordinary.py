@@ -20,6 +20,7 @@ from somatize.torch._tree import tree_flatten, tree_unflatten
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(ROOT, "tests", "placed_runs.py")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+pytestmark = pytest.mark.timeout(1500)  # one process runs every case (RPC starts once)
 CASES = ["outputs", "raises", "attributes", "side", "cache", "pickles", "readers", "compiled"]
 
 

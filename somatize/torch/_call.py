@@ -18,7 +18,6 @@ import torch
 
 from .._errors import WorkerError
 from .._trace import span
-from ._placed import Placed, _apply, _moved, _settled_on
 from ._raised import caught
 from ._tree import tree_flatten, tree_unflatten
 
@@ -50,6 +49,12 @@ def unpack(tensors: Any, plain: list) -> list:
 
 def dumps(obj: Any) -> bytes:
     """Classes and functions defined in the script (``__main__``) by value."""
+    try:  # the plain pickler is several times faster: used where nothing is __main__'s
+        blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if b"__main__" not in blob:
+            return blob
+    except Exception:
+        pass
     import cloudpickle
 
     return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
@@ -58,6 +63,8 @@ def dumps(obj: Any) -> bytes:
 def _call(live, name: str, call: int, tensors: list, blob: bytes, needs: list[bool],
           grad: bool, inference: bool, rng: torch.Tensor, ops: list, autocast: list,
           dtype: torch.dtype, device: str = "cpu"):
+    from ._placed import _apply, _moved, _settled_on  # (_placed imports this module)
+
     try:
         placed = live.catalog[name]
         dev = _settled_on(placed, device)
@@ -83,7 +90,7 @@ def _call(live, name: str, call: int, tensors: list, blob: bytes, needs: list[bo
         return caught(e)
 
 
-def _run_call(placed: Placed, name: str, call: int, tensors: list, spec: Any, plain: list,
+def _run_call(placed: Any, name: str, call: int, tensors: list, spec: Any, plain: list,
               needs: list[bool], grad: bool, inference: bool):
     leaves = [t.detach().requires_grad_() if need else t
               for t, need in zip(tensors, needs, strict=True)]
@@ -144,6 +151,8 @@ def _changed(args: tuple, kwargs: dict, flat: list, leaves: list, versions: list
 
 
 def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
+    from ._placed import _apply
+
     try:
         placed = live.catalog[name]
         _apply(placed, ops)  # a zero_grad between the forward and this backward
@@ -162,6 +171,8 @@ def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
 
 def _weights(live, name: str, ops: list) -> dict:
     """The module's weights and buffers now (on the CPU), once ``ops`` are applied."""
+    from ._placed import _apply
+
     placed = live.catalog[name]
     _apply(placed, ops)
     return {k: v.detach().to("cpu", copy=True) for k, v in placed.module.state_dict().items()}

@@ -30,6 +30,7 @@ import torch
 
 from .._errors import Refused
 from .._trace import span
+from ._call import Same, _backward, _call, _weights, dumps, pack, unpack
 from ._fresh import fresh, unfresh
 from ._math import math_flags, set_math
 from ._module import ModuleNode
@@ -511,5 +512,3 @@ def _refuse_here(link: Link, path: str, child: torch.nn.Module, *args: Any,
             "trainer.strategy.sync()")
     return child._call_impl(*args, **kwargs)  # outside fit: the copy here is current
 
-
-from ._call import Same, _backward, _call, _weights, dumps, pack, unpack  # noqa: E402  (needs the above)
