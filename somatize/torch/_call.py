@@ -118,7 +118,9 @@ def _run_call(placed: Any, name: str, call: int, tensors: list, spec: Any, plain
     # tensors cross on the CPU (no TensorPipe device maps yet): moved at the boundary
     answer = [t.detach().cpu() for t in outs]
     # kept: whether this call waits for a backward (a frozen module's does not)
-    return (answer, dumps((out_spec, out_plain)), torch.get_rng_state(), os.getpid(),
+    # which outputs carry a gradient over there (a detached one stays so here)
+    alive = [t.requires_grad for t in outs]
+    return (answer, dumps((out_spec, out_plain, alive)), torch.get_rng_state(), os.getpid(),
             call in placed.kept)
 
 

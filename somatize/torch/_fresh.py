@@ -44,13 +44,27 @@ _META = {
 }
 
 
+_DATA = torch.Tensor.data.__get__
+
+
 def _torch_function(cls, func, types, args=(), kwargs=None):
     if func not in _META:
         _read(args)
         if kwargs:
             _read(kwargs.values())
+        if func == _DATA:  # (a method-wrapper: a new object each time it is read)
+            _exposed(args[0])
     with plainly():  # what comes out is a plain tensor: nothing of this class spreads
         return func(*args, **(kwargs or {}))
+
+
+def _exposed(t: torch.Tensor) -> None:
+    # .data shares the storage but not the version counter: a write through it is found
+    # by value, against what it held when handed out
+    link = _owner.get(id(t))
+    if link is not None and id(t) not in link.exposed:
+        with plainly():
+            link.exposed[id(t)] = t.detach().clone()
 
 
 class FreshParameter(torch.nn.Parameter):

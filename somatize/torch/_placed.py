@@ -206,8 +206,9 @@ class _Remote(torch.autograd.Function):
     def forward(ctx, link, call, anchor, *inputs):
         ctx.set_materialize_grads(False)
         ctx.link, ctx.call = link, call
-        outs = [t for t in link.answer if isinstance(t, torch.Tensor)]
-        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
+        outs = list(link.answer)
+        ctx.mark_non_differentiable(*[t for t, alive in zip(outs, link.alive, strict=True)
+                                      if not (alive and t.is_floating_point())])
         return tuple(outs)
 
     @staticmethod
@@ -238,6 +239,7 @@ class Link:
         self.versions: dict[str, int] = {}
         self.fitting = False
         self.stale = False  # the weights here are behind the ones over there
+        self.exposed: dict[int, torch.Tensor] = {}  # id -> value when handed out as .data
         self.chosen = False  # trained over there by the user's choice, not by mirrors
         self._inflight: list = []  # backwards sent and not yet answered
         self._routes: dict[int, Any] = {}  # id(module) -> what its calls are routed to
@@ -246,6 +248,7 @@ class Link:
         self._hooked: list[int] = []
         self._warned: set[str] = set()  # children whose late hooks were said
         self.answer: list = []
+        self.alive: list[bool] = []  # per answered tensor: whether it carries a gradient
 
     # -- installing --------------------------------------------------------------------
     def install(self) -> None:
@@ -317,7 +320,7 @@ class Link:
             _call, self.name, call, sent, blob, needs, grad,
             torch.is_inference_mode_enabled(), torch.get_rng_state(), ops, autocast,
             torch.get_default_dtype(), self.device)
-        out_spec, out_plain = pickle.loads(out_blob)
+        out_spec, out_plain, self.alive = pickle.loads(out_blob)
         here = self.here
         if here.type != "cpu":
             self.answer = [_moved(t, here) for t in self.answer]
@@ -477,8 +480,11 @@ class Link:
         """A write here since the last sync (SWA, load_state_dict): sent over there."""
         with plainly():
             now = self.module.state_dict(keep_vars=True)
+            was = self.exposed  # handed out through .data since the last look
             changed = {k: t.detach().clone() for k, t in now.items()
-                       if t._version != self.versions.get(k)}
+                       if t._version != self.versions.get(k)
+                       or (id(t) in was and not torch.equal(t, was[id(t)]))}
+            self.exposed = {}
         if changed:
             self.ops.append(("weights", changed))
             self.remember()
