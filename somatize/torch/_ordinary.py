@@ -16,6 +16,7 @@ import torch
 
 from .._errors import Refused
 
+_NONE = object()
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
@@ -25,8 +26,13 @@ def _plain(v: Any) -> bool:
     return isinstance(v, _PLAIN)
 
 
-def _attributes(m: torch.nn.Module) -> dict:
-    return {k: v for k, v in m.__dict__.items() if k != "training" and _plain(v)}
+def _names(m: torch.nn.Module) -> tuple:
+    return tuple(k for k, v in m.__dict__.items() if k != "training" and _plain(v))
+
+
+def _values(m: torch.nn.Module, names: tuple) -> tuple:
+    d = m.__dict__
+    return tuple(d.get(k, _NONE) for k in names)
 
 
 @dataclass(frozen=True)
@@ -42,20 +48,31 @@ class SetAttributes:
 
 
 class Attributes:
-    """The plain attributes of a module and its children, as last sent over there."""
+    """The plain attributes of a module and its children, as last sent over there.
+    Looked at per call, cheaply: the values of the plain attributes known, and the
+    names again only when a module's ``__dict__`` grew or shrank."""
 
     def __init__(self, module: torch.nn.Module):
         self.modules = list(module.modules())
-        self.sent = [_attributes(m) for m in self.modules]
+        self.names = [_names(m) for m in self.modules]
+        self.sizes = [len(m.__dict__) for m in self.modules]
+        self.sent = [_values(m, ns) for m, ns in zip(self.modules, self.names, strict=True)]
 
     def changed(self) -> SetAttributes | None:
         """What changed here since last sent (and is now taken as sent), or None."""
         changed = {}
         for i, m in enumerate(self.modules):
-            now = _attributes(m)
+            d = m.__dict__
+            if len(d) != self.sizes[i]:  # an attribute added or removed: the names again
+                was = dict(zip(self.names[i], self.sent[i], strict=True))
+                self.sizes[i], self.names[i] = len(d), _names(m)
+                self.sent[i] = tuple(was.get(k, _NONE) for k in self.names[i])
+            now = _values(m, self.names[i])
             if now != self.sent[i]:
-                changed[i] = {k: v for k, v in now.items() if self.sent[i].get(k, _NONE) != v
-                              or type(self.sent[i].get(k)) is not type(v)}
+                new = {k: v for k, v, w in zip(self.names[i], now, self.sent[i], strict=True)
+                       if (v != w or type(v) is not type(w)) and _plain(v)}
+                if new:
+                    changed[i] = new
                 self.sent[i] = now
         return SetAttributes(changed) if changed else None
 
@@ -68,11 +85,10 @@ class Attributes:
                 setattr(m, k, v)
             else:
                 m.__dict__[k] = v
-            if _plain(v):
-                self.sent[i][k] = v  # as over there already
+            # as over there already (nothing changed here since the call was sent)
+            self.names[i], self.sizes[i] = _names(m), len(m.__dict__)
+            self.sent[i] = _values(m, self.names[i])
 
-
-_NONE = object()
 
 
 def into(here: Any, there: Any, name: str, where: str = "the arguments") -> None:
