@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from somatize import WorkerError
+from somatize.torch._raised import caught, rebuilt
 from somatize.torch._tree import tree_flatten, tree_unflatten
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -163,3 +165,28 @@ def test_the_walker_rebuilds_every_container_as_its_own_class_without_running_in
     assert type(back[1]["k"]) is NT and back[1]["k"].q[1] == "s"
     assert type(back[2]) is Both and back[2]["x"] is back[2].x and back[2].x is back[0][0].a
     assert type(back[3]) is type(torch.max(u.view(3, 1), 1)) and back[4] == [1, None]
+
+
+class NeedsTwo(ValueError):
+    """An exception its pickle cannot rebuild (its __init__ wants two arguments)."""
+
+    def __init__(self, a, b):
+        super().__init__(a)
+        self.b = b
+
+
+def test_an_exception_that_cannot_be_rebuilt_is_both_a_worker_error_and_its_own_type():
+    try:
+        raise NeedsTwo("half", 2)
+    except NeedsTwo as e:
+        r = caught(e)
+    e = rebuilt(r, "module 'enc' on worker 'w'")
+    assert isinstance(e, WorkerError) and isinstance(e, NeedsTwo) and isinstance(e, ValueError)
+    assert "module 'enc' on worker 'w' raised NeedsTwo: half" in str(e)
+    assert "NeedsTwo: half" in str(e.__cause__) and "test_placed_ordinary.py" in str(e.__cause__)
+    try:
+        raise KeyError("k")
+    except KeyError as e:
+        same = rebuilt(caught(e), "module 'enc' on worker 'w'")
+    assert type(same) is KeyError and same.args == ("k",)  # a key stays the key
+    assert "raised in module 'enc' on worker 'w'" in same.__notes__[0]

@@ -115,8 +115,11 @@ def _both(cls: type, r: Raised, where: str) -> BaseException | None:
     # its own type could not be rebuilt from its arguments: one deriving from both
     if issubclass(cls, WorkerError):
         return None
+    message = f"{where} raised {r.name}: {r.message}"
     try:
         both = type(cls.__name__, (WorkerError, cls), {"__module__": cls.__module__})
-        return both(f"{where} raised {r.name}: {r.message}")
+        e = BaseException.__new__(both, message)  # its own __init__ may want other arguments
+        BaseException.__init__(e, message)
+        return e
     except TypeError:  # incompatible layouts (an OSError subclass): WorkerError alone
         return None
