@@ -165,6 +165,9 @@ def test_the_walker_rebuilds_every_container_as_its_own_class_without_running_in
     assert type(back[1]["k"]) is NT and back[1]["k"].q[1] == "s"
     assert type(back[2]) is Both and back[2]["x"] is back[2].x and back[2].x is back[0][0].a
     assert type(back[3]) is type(torch.max(u.view(3, 1), 1)) and back[4] == [1, None]
+    counts = collections.defaultdict(list, {"a": [t]})
+    again = tree_unflatten(*tree_flatten(counts))
+    assert type(again) is collections.defaultdict and again["new"] == [] and again["a"] == [t]
 
 
 class NeedsTwo(ValueError):

@@ -55,8 +55,9 @@ def tree_flatten(obj: Any) -> tuple[list, Any]:
             if hasattr(t, "n_fields"):  # a structseq: torch.return_types.max
                 return ("seq", t, [split(v) for v in o])
             return leaf(o)
-        if isinstance(o, dict):
-            return ("map", t, list(o), [split(v) for v in o.values()], _state(o, split))
+        if isinstance(o, dict):  # a defaultdict keeps its factory (a slot, not state)
+            return ("map", t, list(o), [split(v) for v in o.values()], _state(o, split),
+                    getattr(o, "default_factory", None))
         if isinstance(o, list):
             return ("list+", t, [split(v) for v in o], _state(o, split))
         if dataclasses.is_dataclass(o) and not isinstance(o, type):
@@ -70,8 +71,10 @@ def _state(o: Any, split) -> list:
     # the instance's attributes as they are (fields, init=False ones, set later), walked
     if hasattr(o, "__dict__"):
         names = list(vars(o))
-    else:  # __slots__ (a dataclass(slots=True))
+    elif dataclasses.is_dataclass(o):  # __slots__ (a dataclass(slots=True))
         names = [f.name for f in dataclasses.fields(o) if hasattr(o, f.name)]
+    else:  # a builtin's instance (a defaultdict): no attributes of its own
+        return []
     values = vars(o) if hasattr(o, "__dict__") else {n: getattr(o, n) for n in names}
     return [(n, split(values[n])) for n in names]
 
@@ -98,6 +101,8 @@ def tree_unflatten(flat: list, shape: Any) -> Any:
         for k, v in zip(shape[2], shape[3], strict=True):
             base.__setitem__(new, k, tree_unflatten(flat, v))
         _restore(new, flat, shape[4])
+        if shape[5] is not None:
+            new.default_factory = shape[5]
     elif kind == "list+":
         list.extend(new, [tree_unflatten(flat, v) for v in shape[2]])
         _restore(new, flat, shape[3])
