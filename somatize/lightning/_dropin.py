@@ -87,6 +87,8 @@ class DropIn:
             self._precision(precision)
         for link in self.links.values():
             link.install()
+        log.info("placed modules %s run on workers: Lightning's ModelSummary counts their "
+                 "FLOPs as 0 (their parameters it counts)", sorted(self.modules))
         for path, m in self.modules.items():
             n = sum(p.numel() for p in m.parameters())
             if self._trained(path):
@@ -269,6 +271,11 @@ class DropIn:
         return [p for (j, p) in self.groups if j == i]
 
     # -- what the strategy tells it ----------------------------------------------------
+    def check(self) -> None:
+        """Refuse what took a placed module's calls away (an in-place compile())."""
+        for link in self.links.values():
+            link.check()
+
     def fitting(self, on: bool) -> None:
         for link in self.links.values():
             link.fitting = on
@@ -288,6 +295,7 @@ class DropIn:
         for path, led in self.chosen.items():
             if i in led:
                 self.links[path].ops.append(("step", "chosen", None))
+                self.links[path].stale = True
 
     def sync(self) -> dict[tuple[int, str], dict]:
         """Bring the weights here up to date; return the mirrors' states by parameter name."""

@@ -62,6 +62,10 @@ class PlacedRoute(Route):
         return True  # what trains over there is known only as optimizers step
 
     @override
+    def before_step(self) -> None:
+        self.dropin.check()  # an in-place compile() since the last step: refused now
+
+    @override
     def optimizer_stepped(self, optimizer: Any) -> None:
         self.dropin.stepped(optimizer)
 

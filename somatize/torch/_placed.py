@@ -17,12 +17,11 @@ group, hyper-parameters sent with each step) apply them.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import itertools
 import logging
-import os
+import pickle
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
@@ -31,8 +30,14 @@ import torch
 
 from .._errors import Refused
 from .._trace import span
+from ._call import Same, _backward, _call, _weights, dumps, pack, unpack
+from ._fresh import fresh, unfresh
 from ._math import math_flags, set_math
 from ._module import ModuleNode
+from ._ordinary import Attributes, into
+from ._private import plainly, route_calls, routed_to
+from ._raised import Raised, rebuilt
+from ._tree import tree_flatten, tree_unflatten
 
 log = logging.getLogger(__name__)
 
@@ -47,46 +52,13 @@ class Placed(ModuleNode):
         self.mirrors: dict[int, torch.optim.Optimizer] = {}
 
 
-# -- arguments and answers: tensors out of their structure and back ----------------------
-
-class _Slot(int):
-    """Where the i-th tensor of a structure stood."""
-
-
-def tree_flatten(obj: Any) -> tuple[list, Any]:
-    """The tensors and plain values of a nested structure, and its shape (which pickles)."""
-    flat: list = []
-
-    def split(o):
-        if isinstance(o, tuple) and hasattr(o, "_fields"):
-            return ("nt", type(o), [split(v) for v in o])
-        if isinstance(o, (tuple, list)):
-            return (type(o).__name__, [split(v) for v in o])
-        if isinstance(o, dict):
-            return ("dict", [(k, split(v)) for k, v in o.items()])
-        flat.append(o)
-        return _Slot(len(flat) - 1)
-
-    return flat, split(obj)
-
-
-def tree_unflatten(flat: list, shape: Any) -> Any:
-    """The structure ``tree_flatten`` read, with ``flat``'s values in place."""
-    if isinstance(shape, _Slot):
-        return flat[shape]
-    if shape[0] == "nt":
-        return shape[1](*[tree_unflatten(flat, v) for v in shape[2]])
-    if shape[0] == "dict":
-        return {k: tree_unflatten(flat, v) for k, v in shape[1]}
-    items = [tree_unflatten(flat, v) for v in shape[1]]
-    return tuple(items) if shape[0] == "tuple" else items
-
-
 # -- run over there, against the worker's live graph (the transport's generic call) --------
 
 def _apply(placed: Placed, ops: list) -> None:
     for op in ops:
-        if op[0] == "step":
+        if hasattr(op, "apply"):  # a typed op: it does its own work
+            op.apply(placed)
+        elif op[0] == "step":
             _, i, groups = op
             opt = placed.mirrors[i]
             for group, hyper in zip(opt.param_groups, groups or [], strict=bool(groups)):
@@ -142,59 +114,6 @@ def _settled_on(placed: Placed, device: str) -> torch.device:
         placed.module.to(dev)
         placed.device = dev
     return dev
-
-
-def _call(live, name: str, call: int, flat: list, spec: Any, needs: list[bool], grad: bool,
-          inference: bool, rng: torch.Tensor, ops: list, autocast: list, dtype: torch.dtype,
-          device: str = "cpu"):
-    placed = live.catalog[name]
-    dev = _settled_on(placed, device)
-    flat = [_moved(t, dev) for t in flat]
-    _apply(placed, ops)
-    torch.set_rng_state(rng)
-    with contextlib.ExitStack() as under:
-        for device_type, cast, cache in autocast:  # the caller's autocast, as it was
-            under.enter_context(torch.autocast(device_type, dtype=cast, cache_enabled=cache))
-        if dtype != torch.get_default_dtype():  # bf16-true / 16-true set it for the forward
-            under.callback(torch.set_default_dtype, torch.get_default_dtype())
-            torch.set_default_dtype(dtype)
-        return _run_call(placed, name, call, flat, spec, needs, grad, inference)
-
-
-def _run_call(placed: Placed, name: str, call: int, flat: list, spec: Any, needs: list[bool],
-              grad: bool, inference: bool):
-    leaves = [t.detach().requires_grad_() if need else t
-              for t, need in zip(flat, needs, strict=True)]
-    args, kwargs = tree_unflatten(leaves, spec)
-    with span(f"forward {name}", "node"):
-        if inference:
-            with torch.inference_mode():
-                out = placed.module(*args, **kwargs)
-        else:
-            with torch.set_grad_enabled(grad):
-                out = placed.module(*args, **kwargs)
-    out_flat, out_spec = tree_flatten(out)
-    tensors = [t for t in out_flat if isinstance(t, torch.Tensor) and t.requires_grad]
-    if grad and tensors:
-        placed.kept[call] = ([t if need else None
-                              for t, need in zip(leaves, needs, strict=True)], out_flat)
-    # tensors cross on the CPU (no TensorPipe device maps yet): moved at the boundary
-    answer = [t.detach().cpu() if isinstance(t, torch.Tensor) else t for t in out_flat]
-    # kept: whether this call waits for a backward (a frozen module's does not)
-    return answer, out_spec, torch.get_rng_state(), os.getpid(), call in placed.kept
-
-
-def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
-    placed = live.catalog[name]
-    _apply(placed, ops)  # a zero_grad between the forward and this backward
-    leaves, outs = placed.kept.pop(call)
-    tensors = [o for o in outs if isinstance(o, torch.Tensor)]  # as _Remote answered them
-    pairs = [(o, g) for o, g in zip(tensors, grads, strict=True)
-             if g is not None and o.requires_grad]
-    if pairs:
-        with span(f"backward {name}", "node"):
-            torch.autograd.backward([o for o, _ in pairs], [g.to(o.device) for o, g in pairs])
-    return [None if leaf is None or leaf.grad is None else leaf.grad.cpu() for leaf in leaves]
 
 
 def _mirror(live, name: str, i: int, groups: list, cls: type, defaults: dict,
@@ -287,8 +206,9 @@ class _Remote(torch.autograd.Function):
     def forward(ctx, link, call, anchor, *inputs):
         ctx.set_materialize_grads(False)
         ctx.link, ctx.call = link, call
-        outs = [t for t in link.answer if isinstance(t, torch.Tensor)]
-        ctx.mark_non_differentiable(*[t for t in outs if not t.is_floating_point()])
+        outs = list(link.answer)
+        ctx.mark_non_differentiable(*[t for t, alive in zip(outs, link.alive, strict=True)
+                                      if not (alive and t.is_floating_point())])
         return tuple(outs)
 
     @staticmethod
@@ -318,51 +238,70 @@ class Link:
         self.own_threads = step.runtime.spec(host).threads is not None
         self.versions: dict[str, int] = {}
         self.fitting = False
+        self.stale = False  # the weights here are behind the ones over there
+        self.exposed: dict[int, torch.Tensor] = {}  # id -> value when handed out as .data
         self.chosen = False  # trained over there by the user's choice, not by mirrors
         self._inflight: list = []  # backwards sent and not yet answered
-        self._previous = None
+        self._routes: dict[int, Any] = {}  # id(module) -> what its calls are routed to
         self.needs: dict[int, list[bool]] = {}  # per call in flight: which arguments ask dL/d
-        self._hooks: list = []
         self._children: list = []  # (path, child) of the placed module, and their hooks
         self._hooked: list[int] = []
         self._warned: set[str] = set()  # children whose late hooks were said
         self.answer: list = []
+        self.alive: list[bool] = []  # per answered tensor: whether it carries a gradient
 
     # -- installing --------------------------------------------------------------------
     def install(self) -> None:
-        """Route the module's calls to the worker; refuse its children's calls here."""
-        self._previous = self.module.__dict__.get("forward")  # someone else's wrapper, kept
-        self.module.forward = self.forward  # an instance attribute: the class is untouched
-        for path, child in self.module.named_modules():
-            if child is not self.module:
-                self._hooks.append(child.register_forward_pre_hook(
-                    functools.partial(_refuse_here, self, path)))
+        """Route the module's calls to the worker; refuse its children's calls here. Both
+        through ``route_calls``: no attribute of the module's own, nothing in its pickles."""
         self._children = [(path, child) for path, child in self.module.named_modules()
                           if child is not self.module]
+        self._routes = {id(self.module): self.forward}
+        for path, child in self._children:
+            self._routes[id(child)] = functools.partial(_refuse_here, self, path, child)
+        for m in self.module.modules():
+            route_calls(m, self._routes[id(m)])
         self._hooked = [_hook_count(child) for _, child in self._children]
+        self.attributes = Attributes(self.module)
         self.remember()
+        self.buffered = any(True for _ in self.module.buffers())
+        fresh(self)  # its weights here answer reads current
 
     def uninstall(self) -> None:
-        self.module.__dict__.pop("forward", None)
-        if self._previous is not None:
-            self.module.forward = self._previous
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()
+        unfresh(self)
+        for m in self.module.modules():
+            if routed_to(m) is self._routes.get(id(m)):
+                route_calls(m, None)
+        self._routes = {}
+
+    def check(self) -> None:
+        """Refuse, naming the module, what took the module's calls away (compile())."""
+        for m in (self.module, *(c for _, c in self._children)):
+            if id(m) in self._routes and routed_to(m) is not self._routes[id(m)]:
+                path = next((f"{self.name}.{p}" for p, c in self._children if c is m),
+                            self.name)
+                raise Refused(
+                    f"{path}.compile() was called in place on a module placed on worker "
+                    f"{self.host!r} (inside {self.name!r}): compiled here it would run here, "
+                    "on a stale copy of its weights. Compile before placing it "
+                    f"(torch.compile(module) as a submodule), or leave {self.name!r} unplaced")
 
     # -- a call --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.catch_writes()
         self.catch_hooks()
         flat, spec = tree_flatten((args, kwargs))
+        tensors, plain = pack(flat)
         grad = torch.is_grad_enabled()
-        needs = [grad and isinstance(t, torch.Tensor) and t.requires_grad for t in flat]
-        sent = [_crossing(t) for t in flat]
+        needs = [grad and t.requires_grad for t in tensors]
+        sent = [_crossing(t) for t in tensors]
+        blob = dumps((spec, plain))  # classes the script defines travel by value
         modes = tuple(m.training for m in self.module.modules())
         if modes != self.modes:
             self.ops.append(("modes", modes))
             self.modes = modes
-        flags = tuple(p.requires_grad for p in self.module.parameters())
+        with plainly():
+            flags = tuple(p.requires_grad for p in self.module.parameters())
         if flags != self.flags:
             self.ops.append(("requires_grad", flags))
             self.flags = flags
@@ -370,27 +309,36 @@ class Link:
         if math != self.math:
             self.ops.append(("math", math))
             self.math = math
+        attrs = self.attributes.changed()  # a dropout's p, track_running_stats...
+        if attrs is not None:
+            self.ops.append(attrs)
         call = next(self.calls)
         ops, self.ops = self.ops, []
         autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
                     for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-        self.answer, out_spec, rng, pid, kept = self._rpc(
-            _call, self.name, call, sent, spec, needs, grad,
+        self.answer, out_blob, rng, pid, kept = self._rpc(
+            _call, self.name, call, sent, blob, needs, grad,
             torch.is_inference_mode_enabled(), torch.get_rng_state(), ops, autocast,
             torch.get_default_dtype(), self.device)
+        out_spec, out_plain, self.alive = pickle.loads(out_blob)
         here = self.here
         if here.type != "cpu":
             self.answer = [_moved(t, here) for t in self.answer]
         torch.set_rng_state(rng)  # what one piece's draws would have left it at
         self.step.ran.setdefault(self.name, Counter())[pid] += 1
-        if not kept:  # nothing over there asks for dL/d(outputs): no backward to send
-            return tree_unflatten(self.answer, out_spec)
-        self.needs[call] = needs
-        anchor = torch.empty(0, requires_grad=True)  # so the call is in the graph
-        outs = iter(_Remote.apply(self, call, anchor,
-                                  *[t for t, need in zip(flat, needs, strict=True) if need]))
-        return tree_unflatten([next(outs) if isinstance(t, torch.Tensor) else t
-                               for t in self.answer], out_spec)
+        self.stale = self.stale or self.buffered  # its buffers may have moved over there
+        outs = self.answer
+        if kept:  # something over there asks for dL/d(outputs): the call is in the graph
+            self.needs[call] = needs
+            anchor = torch.empty(0, requires_grad=True)
+            outs = _Remote.apply(self, call, anchor,
+                                 *[t for t, need in zip(tensors, needs, strict=True) if need])
+        out_plain = [tensors[p.i] if isinstance(p, Same) else p for p in out_plain]
+        out, side, changed = tree_unflatten(unpack(outs, out_plain), out_spec)
+        self.attributes.left(side)  # an auxiliary loss the forward set on self
+        if changed is not None:  # a cache it appended to, a tensor it wrote into
+            into((args, kwargs), changed, self.name)
+        return out
 
     def _backward(self, call: int, grads: tuple) -> list:
         ops, self.ops = self.ops, []
@@ -411,12 +359,19 @@ class Link:
         # what is in flight, whose answers are read first (their errors first)
         answer = self.step.runtime.call_async(self.host, fn, *args)
         self.settle()
-        return answer.result()
+        return self._raise(answer.result())
 
     def settle(self) -> None:
         """Wait for the backwards still in flight over there (in order)."""
         while self._inflight:
-            self._inflight.pop(0).result()
+            self._raise(self._inflight.pop(0).result())
+
+    def _raise(self, got: Any) -> Any:
+        if isinstance(got, Raised):  # raised in the module over there: its own type here
+            peer = self.step.runtime.peers.get(self.host)
+            pid = f" (pid {peer.pid})" if peer is not None else ""
+            raise rebuilt(got, f"module {self.name!r} on worker {self.host!r}{pid}")
+        return got
 
     # -- the optimizers over there ---------------------------------------------------------
     def mirror(self, i: int, optimizer: torch.optim.Optimizer, groups: list) -> None:
@@ -437,6 +392,7 @@ class Link:
         """Optimizer ``i`` stepped here: its mirror steps over there, with its groups'
         hyper-parameters as they are now (a scheduler's lr included)."""
         self.ops.append(("step", i, [_hyper(optimizer.param_groups[g]) for g, _ in groups]))
+        self.stale = True
 
     def zeroed(self, i: int, set_to_none: bool) -> None:
         self.ops.append(("zero", "chosen" if self.chosen else i, set_to_none))
@@ -479,12 +435,26 @@ class Link:
     # -- the weights here -------------------------------------------------------------------
     def pull(self) -> dict:
         """Bring the weights here up to date; return the mirrors' states by parameter name."""
+        self.stale = False
         self.catch_writes()
         ops, self.ops = self.ops, []
         got = self._rpc(_state, self.name, ops)
-        _copy_into(self.module, got["weights"])
+        with plainly():
+            _copy_into(self.module, got["weights"])
         self.remember()
         return got["optimizers"]
+
+    def bring(self) -> None:
+        """A read here of the weights, stale since the module stepped or ran over there:
+        bring them up to date first (weights only: one round trip)."""
+        self.stale = False
+        self.check()
+        self.catch_writes()
+        ops, self.ops = self.ops, []
+        got = self._rpc(_weights, self.name, ops)
+        with plainly():
+            _copy_into(self.module, got)
+        self.remember()
 
     def catch_hooks(self) -> None:
         """A hook put on a child here since the module was sent never runs (the child runs
@@ -502,13 +472,19 @@ class Link:
             self._hooked[k] = now
 
     def remember(self) -> None:
-        self.versions = {k: t._version for k, t in self.module.state_dict(keep_vars=True).items()}
+        with plainly():
+            self.versions = {k: t._version
+                             for k, t in self.module.state_dict(keep_vars=True).items()}
 
     def catch_writes(self) -> None:
         """A write here since the last sync (SWA, load_state_dict): sent over there."""
-        now = self.module.state_dict(keep_vars=True)
-        changed = {k: t.detach().clone() for k, t in now.items()
-                   if t._version != self.versions.get(k)}
+        with plainly():
+            now = self.module.state_dict(keep_vars=True)
+            was = self.exposed  # handed out through .data since the last look
+            changed = {k: t.detach().clone() for k, t in now.items()
+                       if t._version != self.versions.get(k)
+                       or (id(t) in was and not torch.equal(t, was[id(t)]))}
+            self.exposed = {}
         if changed:
             self.ops.append(("weights", changed))
             self.remember()
@@ -531,10 +507,14 @@ def _hyper(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def _refuse_here(link: Link, path: str, module, args) -> None:
+def _refuse_here(link: Link, path: str, child: torch.nn.Module, *args: Any,
+                 **kwargs: Any) -> Any:
+    link.check()
     if link.fitting:
         raise Refused(
             f"{link.name}.{path} is part of {link.name!r}, which is placed on worker "
             f"{link.host!r}: during fit its weights here are a stale copy, so it cannot run "
             f"here. Call {link.name!r} itself (it runs over there), or read its weights after "
             "trainer.strategy.sync()")
+    return child._call_impl(*args, **kwargs)  # outside fit: the copy here is current
+
