@@ -1,0 +1,200 @@
+"""The optimizer operations a ``Mirror`` (``_mirror.py``) sends to a placed module's
+worker, each a typed value that does its own work there (``op.apply(placed)``), and the
+functions the worker runs for it (build a mirror, norms, unscale, state in and out).
+
+    ops = [Zero(0, True), Step(0, [{"lr": 0.1, ...}])]   # queued here
+    for op in ops: op.apply(placed)                     # over there, before the next call
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._trace import span
+from . import _private
+
+# -- over there: what each queued operation does to the worker's placed module -----------
+
+
+def _params(opt: torch.optim.Optimizer) -> list:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def _grads(opt: torch.optim.Optimizer) -> list:
+    return [p.grad for p in _params(opt) if p.grad is not None]
+
+
+@dataclass(frozen=True)
+class Step:
+    """Mirror ``index`` steps, its groups' hyper-parameters set first (a scheduler's lr)."""
+    index: int
+    groups: list
+
+    def apply(self, placed: Any) -> None:
+        opt = placed.mirrors[self.index]
+        for group, hyper in zip(opt.param_groups, self.groups, strict=True):
+            group.update(hyper)
+        with span(f"optimizer step {self.index}", "step"):
+            opt.step()
+
+
+@dataclass(frozen=True)
+class StepChosen:
+    """The optimizer the user chose for the module over there steps."""
+
+    def apply(self, placed: Any) -> None:
+        with span("optimizer step (chosen)", "step"):
+            placed.chosen.step()
+
+
+@dataclass(frozen=True)
+class Zero:
+    """Mirror ``index`` clears its gradients, as the optimizer here just did."""
+    index: int
+    set_to_none: bool
+
+    def apply(self, placed: Any) -> None:
+        placed.mirrors[self.index].zero_grad(set_to_none=self.set_to_none)
+
+
+@dataclass(frozen=True)
+class ZeroChosen:
+    """The chosen optimizer clears its gradients."""
+    set_to_none: bool
+
+    def apply(self, placed: Any) -> None:
+        placed.chosen.zero_grad(set_to_none=self.set_to_none)
+
+
+@dataclass(frozen=True)
+class AddGroup:
+    """A group added here during fit (a finetuning callback): added to mirror ``index``."""
+    index: int
+    names: list
+    hyper: dict
+
+    def apply(self, placed: Any) -> None:
+        params = dict(placed.module.named_parameters())
+        placed.mirrors[self.index].add_param_group(
+            {**self.hyper, "params": [params[n] for n in self.names]})
+
+
+@dataclass(frozen=True)
+class ClipMul:
+    """Mirror ``index``'s gradients times the coefficient one piece's norm clipping found."""
+    index: int
+    coef: torch.Tensor
+
+    def apply(self, placed: Any) -> None:
+        grads = _grads(placed.mirrors[self.index])
+        if grads:
+            _private.foreach_mul_(grads, self.coef.to(grads[0].device))
+
+
+@dataclass(frozen=True)
+class ClipValue:
+    """Mirror ``index``'s gradients clipped by value."""
+    index: int
+    value: float
+
+    def apply(self, placed: Any) -> None:
+        torch.nn.utils.clip_grad_value_(_params(placed.mirrors[self.index]),
+                                        clip_value=self.value)
+
+
+@dataclass(frozen=True)
+class Built:
+    """What a mirror became over there: compared with the optimizer here."""
+    defaults: dict
+    groups: list
+    settings: dict
+    error: str | None = None
+
+
+def _ready(live, name: str, ops: list) -> Any:
+    # the placed module over there, with what was queued for it done first
+    from ._placed import _apply
+
+    placed = live.catalog[name]
+    _apply(placed, ops)
+    return placed
+
+
+def _settings(opt: torch.optim.Optimizer) -> dict:
+    # plain values an optimizer keeps on itself besides its groups (what defaults miss)
+    skip = {"state", "param_groups", "defaults"}
+    return {k: v for k, v in vars(opt).items() if k not in skip and not k.startswith("_")
+            and isinstance(v, (bool, int, float, str, type(None)))}
+
+
+def _build(live, name: str, i: int, groups: list, ops: list, *, cls: type, kwargs: dict,
+           device: str = "cpu") -> Built:
+    from ._placed import _settled_on
+
+    placed = _ready(live, name, ops)
+    _settled_on(placed, device)
+    params = dict(placed.module.named_parameters())
+    try:
+        opt = cls([{**hyper, "params": [params[n] for n in names]} for names, hyper in groups],
+                  **kwargs)
+        for group, (_, hyper) in zip(opt.param_groups, groups, strict=True):
+            group.update(hyper)  # the group's full hyper-parameters, as they are here
+    except Exception as e:  # said here, as a refusal naming the optimizer
+        return Built({}, [], {}, f"{type(e).__name__}: {e}")
+    placed.mirrors[i] = opt
+    return Built(_plain(opt.defaults), [_plain(_hyper(g)) for g in opt.param_groups],
+                 _settings(opt))
+
+
+def _choose(live, name: str, ops: list, *, factory: Any) -> None:
+    placed = _ready(live, name, ops)
+    placed.chosen = factory([p for p in placed.module.parameters() if p.requires_grad])
+
+
+def _chosen_state(live, name: str, ops: list) -> dict:
+    from ._placed import _on_cpu
+
+    placed = _ready(live, name, ops)
+    return _on_cpu(placed.chosen.state_dict())
+
+
+def _load_chosen(live, name: str, state: dict, ops: list) -> None:
+    _ready(live, name, ops).chosen.load_state_dict(state)
+
+
+def _norms(live, name: str, i: int, norm_type: float, ops: list) -> dict:
+    placed = _ready(live, name, ops)
+    names = {id(p): n for n, p in placed.module.named_parameters()}
+    return {names[id(p)]: _private.foreach_norm([p.grad], norm_type)[0].cpu()
+            for p in _params(placed.mirrors[i]) if p.grad is not None}
+
+
+def _unscale(live, name: str, i: int, inv: torch.Tensor, ops: list) -> torch.Tensor:
+    placed = _ready(live, name, ops)
+    grads = _grads(placed.mirrors[i])
+    dev = grads[0].device if grads else torch.device("cpu")
+    found = torch.zeros(1, device=dev)
+    if grads:  # what GradScaler.unscale_ does to each gradient, in place
+        _private.unscale_(grads, found, inv.to(dev))
+    return found.cpu()
+
+
+def _load_optimizer(live, name: str, i: int, by_name: dict, ops: list) -> None:
+    placed = _ready(live, name, ops)  # the groups added over there before their state
+    opt = placed.mirrors[i]
+    names = {id(p): n for n, p in placed.module.named_parameters()}
+    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
+    sd = opt.state_dict()
+    sd["state"] = {k: by_name[n] for k, n in enumerate(order) if n in by_name}
+    opt.load_state_dict(sd)
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _plain(d: dict) -> dict:
+    return {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in d.items()}

@@ -1,0 +1,231 @@
+"""Runs of a real lightning.Trainer, plain and with SomatizeStrategy(place=...), for the
+optimizers over there: every torch.optim optimizer with param groups and a scheduler,
+one written in this script, ones that cannot be rebuilt, a checkpoint written after fit
+returns, and Ctrl-C at any moment. tests/test_placed_optimizers.py calls them.
+
+    python tests/placed_optimizer_runs.py optimizers OUT.pt SGD AdamW
+"""
+
+import os
+import sys
+import time
+
+import lightning.pytorch as pl
+import torch
+import torch.utils.data as tud
+from torch import nn
+from torch.nn import functional as F
+
+from somatize.lightning import SomatizeStrategy
+
+# per optimizer: constructor arguments away from its defaults, so that each is seen
+SETTINGS = {
+    "SGD": {"momentum": 0.9, "nesterov": True, "weight_decay": 1e-4},
+    "Adam": {"betas": (0.8, 0.99), "weight_decay": 1e-4, "amsgrad": True},
+    "AdamW": {"weight_decay": 0.05},
+    "Adamax": {"weight_decay": 1e-3},
+    "NAdam": {"momentum_decay": 3e-3, "decoupled_weight_decay": True, "weight_decay": 0.01},
+    "RAdam": {"decoupled_weight_decay": True, "weight_decay": 0.01},
+    "Adagrad": {"lr_decay": 0.01},
+    "Adadelta": {"rho": 0.8},
+    "RMSprop": {"momentum": 0.5, "centered": True},
+    "Rprop": {"etas": (0.4, 1.3)},
+    "ASGD": {"t0": 2.0},
+    "Adafactor": {"beta2_decay": -0.7},
+    "Muon": {"momentum": 0.9},
+    "SignSGD": {"decay": 0.5},
+}
+
+
+class SignSGD(torch.optim.Optimizer):
+    """An optimizer written in a user's script, following torch.optim's conventions
+    (every constructor argument kept in defaults)."""
+
+    def __init__(self, params, lr=1e-2, decay=0.0):
+        super().__init__(params, {"lr": lr, "decay": decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                st["avg"] = st.get("avg", torch.zeros_like(p)) * group["decay"] + p.grad
+                p.add_(st["avg"].sign(), alpha=-group["lr"])
+
+
+class NeedsScale(torch.optim.SGD):
+    """Its constructor needs an argument it does not keep in defaults."""
+
+    def __init__(self, params, scale, lr=0.1):
+        self.scale = scale
+        super().__init__(params, lr=lr)
+
+
+class KeepsClip(torch.optim.SGD):
+    """Keeps a setting of its own beside defaults: a rebuild would miss it."""
+
+    def __init__(self, params, lr=0.1, clip=1.0):
+        super().__init__(params, lr=lr)
+        self.clip = clip
+
+
+def optimizer_class(name):
+    return getattr(torch.optim, name, None) or globals()[name]
+
+
+class Net(pl.LightningModule):
+    """An encoder (placed) and a decoder, in two param groups at different rates, a
+    per-step StepLR. Muon takes matrices only: no biases for it."""
+
+    def __init__(self, name, **kw):
+        super().__init__()
+        bias = name != "Muon"
+        self.name, self.kw = name, kw
+        self.encoder = nn.Sequential(nn.Linear(64, 32, bias=bias), nn.Tanh(),
+                                     nn.Linear(32, 16, bias=bias))
+        self.decoder = nn.Linear(16, 64, bias=bias)
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        loss = F.mse_loss(self.decoder(self.encoder(x)), x)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        opt = optimizer_class(self.name)(
+            [{"params": self.encoder.parameters(), "lr": 1e-2},
+             {"params": self.decoder.parameters(), "lr": 3e-3}], **self.kw)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+class Body(pl.LightningModule):
+    """A 4-layer body (placed) and a head, Adam: 8 parameter tensors, 6 placed."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                                  nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 64)
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        loss = F.mse_loss(self.head(self.body(x)), x)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def data(n=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tud.DataLoader(tud.TensorDataset(torch.rand(n, 64, generator=g)), batch_size=16)
+
+
+class Losses(pl.Callback):
+    def __init__(self):
+        self.losses = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.losses.append(outputs["loss"].item())
+
+
+def fit(model, strategy, ckpt=None, **kw):
+    losses = Losses()
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, strategy=strategy, callbacks=[losses],
+                         **kw)
+    trainer.fit(model, data(), ckpt_path=ckpt)
+    return trainer, losses.losses
+
+
+def weights(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def optimizers(out, *names):
+    """Each optimizer, plain and placed: losses, weights, and the optimizer state of a
+    checkpoint written after fit returns."""
+    got = {}
+    where = os.path.dirname(out)
+    for name in names:
+        got[name] = {}
+        for kind, strategy in (("plain", lambda: "auto"),
+                               ("split", lambda: SomatizeStrategy(place={"encoder": "worker"}))):
+            pl.seed_everything(0)
+            model = Net(name, **SETTINGS[name])
+            trainer, losses = fit(model, strategy(), max_steps=4)
+            path = os.path.join(where, f"{name}-{kind}.ckpt")
+            trainer.save_checkpoint(path)
+            ckpt = torch.load(path, weights_only=False)
+            got[name][kind] = {"losses": losses, "weights": weights(model),
+                               "optimizer": ckpt["optimizer_states"],
+                               "schedulers": ckpt["lr_schedulers"]}
+    torch.save(got, out)
+
+
+def refused(out):
+    """Optimizers that cannot be rebuilt over there: refused before the first batch."""
+    from somatize import Refused
+
+    said = {}
+    for name, kw in (("NeedsScale", {"scale": 2.0}), ("KeepsClip", {"clip": 0.5})):
+        model = Net(name, **kw)
+        try:
+            fit(model, SomatizeStrategy(place={"encoder": "worker"}), max_steps=2)
+            said[name] = ("fitted", None)
+        except Refused as e:
+            said[name] = (str(e), model.global_step)
+    torch.save(said, out)
+
+
+def after_fit(out):
+    """A checkpoint written by trainer.save_checkpoint after fit returns, plain and placed,
+    and each resumed plainly for one more epoch."""
+    where = os.path.dirname(out)
+    got = {}
+    for kind, strategy in (("plain", lambda: "auto"),
+                           ("split", lambda: SomatizeStrategy(place={"body": "worker"}))):
+        pl.seed_everything(0)
+        model = Body()
+        trainer, losses = fit(model, strategy(), max_epochs=1)
+        path = os.path.join(where, f"after-{kind}.ckpt")
+        trainer.save_checkpoint(path)
+        state_here = trainer.optimizers[0].state_dict()["state"]
+        pl.seed_everything(1)
+        resumed = Body()
+        _, more = fit(resumed, "auto", ckpt=path, max_epochs=2)
+        got[kind] = {"ckpt": torch.load(path, weights_only=False), "losses": losses,
+                     "state_here": state_here, "module": weights(model),
+                     "resumed": (more, weights(resumed))}
+    torch.save(got, out)
+
+
+class Started(pl.Callback):
+    """Writes a file once the first batch has trained: the test's signal to interrupt."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 0 and not os.path.exists(self.path):
+            with open(self.path, "w") as f:
+                f.write(str(os.getpid()))
+
+
+def interrupted(out):
+    """A placed fit that runs until Ctrl-C (the test sends SIGINT to this process alone)."""
+    model = Body()
+    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, max_epochs=10_000, limit_val_batches=0,
+                         strategy=SomatizeStrategy(place={"body": "worker"}),
+                         callbacks=[Started(out + ".started")])
+    trainer.fit(model, data(256))
+    time.sleep(60)  # not reached: the fit ends with SIGINT
+
+
+if __name__ == "__main__":
+    globals()[sys.argv[1]](*sys.argv[2:])
