@@ -46,6 +46,10 @@ class SignSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
@@ -53,6 +57,7 @@ class SignSGD(torch.optim.Optimizer):
                 st = self.state[p]
                 st["avg"] = st.get("avg", torch.zeros_like(p)) * group["decay"] + p.grad
                 p.add_(st["avg"].sign(), alpha=-group["lr"])
+        return loss
 
 
 class NeedsScale(torch.optim.SGD):
@@ -69,6 +74,16 @@ class KeepsClip(torch.optim.SGD):
     def __init__(self, params, lr=0.1, clip=1.0):
         super().__init__(params, lr=lr)
         self.clip = clip
+
+
+def keep_worker():
+    """Hold the embedded worker 'worker' across this process's fits (one start, not one
+    per fit): each fit's run still opens and closes its own session on it."""
+    from somatize.remote import Worker
+    from somatize.remote._group import group
+
+    p = group().peer("worker", Worker.embedded())
+    group().wait_joined([p])
 
 
 def optimizer_class(name):
@@ -149,6 +164,7 @@ def weights(model):
 def optimizers(out, *names):
     """Each optimizer, plain and placed: losses, weights, and the optimizer state of a
     checkpoint written after fit returns."""
+    keep_worker()
     got = {}
     where = os.path.dirname(out)
     for name in names:
@@ -225,6 +241,17 @@ def interrupted(out):
                          callbacks=[Started(out + ".started")])
     trainer.fit(model, data(256))
     time.sleep(60)  # not reached: the fit ends with SIGINT
+
+
+def many(out, *cases):
+    """Several runs in one process (one interpreter start, one worker), each saved beside
+    ``out`` as ``<case>.pt``; ``optimizers:SGD,AdamW`` passes arguments."""
+    keep_worker()
+    for case in cases:
+        name, _, args = case.partition(":")
+        path = os.path.join(os.path.dirname(out), f"{name}.pt")
+        globals()[name](path, *(args.split(",") if args else []))
+    torch.save(list(cases), out)
 
 
 if __name__ == "__main__":
