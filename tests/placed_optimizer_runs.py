@@ -234,6 +234,10 @@ class Started(pl.Callback):
 
 def interrupted(out):
     """A placed fit that runs until Ctrl-C (the test sends SIGINT to this process alone)."""
+    import signal
+
+    # Python's own Ctrl-C, even when started from a shell that ignores SIGINT (a `&` job)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     model = Body()
     trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, max_epochs=10_000, limit_val_batches=0,

@@ -159,8 +159,9 @@ def test_ctrl_c_at_any_moment_of_a_placed_fit_ends_every_process_within_ten_seco
     for first in range(0, tries, at_once):
         running = []
         for k in range(first, min(first + at_once, tries)):
-            marker = tmp_path / f"interrupted-{k}.started"
-            proc = subprocess.Popen([sys.executable, RUNS, "interrupted", str(marker)],
+            out = tmp_path / f"interrupted-{k}.pt"
+            marker = tmp_path / f"interrupted-{k}.pt.started"  # written after the first batch
+            proc = subprocess.Popen([sys.executable, RUNS, "interrupted", str(out)],
                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                     text=True, cwd=ROOT, env=ENV)
             running.append((k, proc, marker, rng.uniform(0.0, 1.5)))
@@ -177,9 +178,9 @@ def test_ctrl_c_at_any_moment_of_a_placed_fit_ends_every_process_within_ten_seco
                 _, err = proc.communicate(timeout=10)
             except subprocess.TimeoutExpired:
                 err = ""
-            left = set()
-            while time.monotonic() < sent + 10 and (left := _alive(tree)):
+            while time.monotonic() < sent + 10 and _alive(tree):
                 time.sleep(0.05)
+            left = _alive(tree)
             took = time.monotonic() - sent
             for p in left:  # never leave them behind, whatever the verdict
                 try:

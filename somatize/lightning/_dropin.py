@@ -73,6 +73,7 @@ class DropIn:
         self.links = {p: Link(self.step, p, m, place[p], here) for p, m in self.modules.items()}
         # the optimizers over there, and what keeps them in step with the ones here
         self.mirror = Mirror(self.modules, self.links, self.optimizers, trains, schedulers)
+        self.interrupted = False  # Ctrl-C: nothing more is asked of the workers
         self.mirror.patch_zero_grads(list(lightning_optimizers))
         if precision is not None:
             self.mirror.patch_precision(precision)
@@ -132,8 +133,21 @@ class DropIn:
     def where(self) -> dict[str, dict[int, int]]:
         return self.step.where()
 
+    def interrupt(self) -> None:
+        """Ctrl-C: stop the workers now, waiting for nothing, and say what is not saved."""
+        self.interrupted = True
+        trained = [p for p in self.modules if self.mirror.trained(p)]
+        if trained:
+            log.warning("interrupted (Ctrl-C): what %s trained on the workers since the last "
+                        "epoch end, validation or checkpoint is not brought here: the weights "
+                        "here, the optimizers' states and a checkpoint written now are those "
+                        "of the last sync. Resume from the last checkpoint", trained)
+        self.step.runtime.abort("it was stopped when this process was interrupted (Ctrl-C)")
+
     def settle(self) -> None:
         """Wait for the backwards still in flight over there."""
+        if self.interrupted:
+            return  # their worker was stopped
         for link in self.links.values():
             link.settle()
 
@@ -142,7 +156,7 @@ class DropIn:
         here (unless the worker is lost), give the module its own forward back, and end
         the session."""
         try:
-            if pull:  # after fit, a checkpoint and the optimizers here are one piece's
+            if pull and not self.interrupted:  # after fit: the optimizers here are one piece's
                 self.mirror.keep_here(self.sync())
         finally:
             for link in self.links.values():

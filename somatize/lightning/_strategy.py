@@ -431,6 +431,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt) and self.dropin is not None:
+            self.dropin.interrupt()  # teardown then waits for no worker, and says what is lost
         if isinstance(exception, WorkerError):
             self._broken = True
             if self.dropin is not None or any(run.trains for run in self.runs.values()):
