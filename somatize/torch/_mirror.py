@@ -22,8 +22,19 @@ import torch
 
 from .._errors import Refused
 from . import _private
-from ._mirror_ops import (AddGroup, Built, ClipMul, ClipValue, Step, StepChosen, Zero,
-                          ZeroChosen, _hyper, _plain, _settings)
+from ._mirror_ops import (
+    AddGroup,
+    Built,
+    ClipMul,
+    ClipValue,
+    Step,
+    StepChosen,
+    Zero,
+    ZeroChosen,
+    _hyper,
+    _plain,
+    _settings,
+)
 
 __all__ = ["AddGroup", "ClipMul", "ClipValue", "Mirror", "Step", "StepChosen", "Zero",
            "ZeroChosen"]

@@ -32,8 +32,8 @@ import torch
 from .._errors import Refused
 from .._trace import span
 from ._math import math_flags, set_math
-from ._private import hook_count
 from ._module import ModuleNode
+from ._private import hook_count
 
 log = logging.getLogger(__name__)
 
@@ -170,6 +170,10 @@ def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
         with span(f"backward {name}", "node"):
             torch.autograd.backward([o for o, _ in pairs], [g.to(o.device) for o, g in pairs])
     return [None if leaf is None or leaf.grad is None else leaf.grad.cpu() for leaf in leaves]
+
+
+def _run_ops(live, name: str, ops: list) -> None:
+    _apply(live.catalog[name], ops)
 
 
 def _state(live, name: str, ops: list) -> dict:
