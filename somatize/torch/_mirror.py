@@ -15,7 +15,6 @@ optimizer's here, or the run is refused before the first batch.
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any
 
 import torch
@@ -24,7 +23,6 @@ from .._errors import Refused
 from . import _private
 from ._mirror_ops import (
     AddGroup,
-    Built,
     ClipMul,
     ClipValue,
     Step,
@@ -32,87 +30,12 @@ from ._mirror_ops import (
     Zero,
     ZeroChosen,
     _hyper,
-    _plain,
-    _settings,
+    check,
+    constructor_args,
 )
 
 __all__ = ["AddGroup", "ClipMul", "ClipValue", "Mirror", "Step", "StepChosen", "Zero",
            "ZeroChosen"]
-
-# -- here: how a mirror is rebuilt, and checked ------------------------------------------
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                and a.dtype == b.dtype and torch.equal(a.cpu(), b.cpu()))
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return (type(a) is type(b) and len(a) == len(b)
-                and all(_same(x, y) for x, y in zip(a, b, strict=True)))
-    try:
-        return type(a) is type(b) and bool(a == b)
-    except Exception:
-        return a is b
-
-
-def _differs(here: dict, there: dict) -> str | None:
-    for k in sorted(set(here) | set(there), key=str):
-        if k not in there:
-            return f"{k!r} is {here[k]!r} here and missing over there"
-        if k not in here:
-            return f"{k!r} is {there[k]!r} over there and missing here"
-        if not _same(here[k], there[k]):
-            return f"{k!r} is {here[k]!r} here and {there[k]!r} over there"
-    return None
-
-
-def constructor_args(optimizer: torch.optim.Optimizer, path: str) -> dict:
-    """The arguments that rebuild ``optimizer``: those its constructor takes that it keeps
-    in ``defaults``. Refused when the constructor needs one ``defaults`` lacks."""
-    cls = type(optimizer)
-    try:
-        sig = inspect.signature(cls.__init__).parameters
-    except (TypeError, ValueError):
-        sig = {}
-    kwargs = {k: v for k, v in optimizer.defaults.items() if k in sig and k != "params"}
-    needed = [k for k, p in list(sig.items())[1:] if k != "params" and k not in kwargs
-              and p.default is p.empty
-              and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if needed:
-        raise _cannot(optimizer, path, f"its constructor needs {needed}, which it does not "
-                                       "keep in its defaults")
-    return kwargs
-
-
-def check(optimizer: torch.optim.Optimizer, group_indices: list, path: str,
-          built: Built) -> None:
-    """Refuse unless the mirror over there equals ``optimizer`` here: defaults, the
-    groups' hyper-parameters and plain settings."""
-    if built.error is not None:
-        raise _cannot(optimizer, path, f"building it over there raised {built.error}")
-    why = _differs(_plain(optimizer.defaults), built.defaults)
-    if why is None:
-        for g, there in zip(group_indices, built.groups, strict=True):
-            why = _differs(_plain(_hyper(optimizer.param_groups[g])), there)
-            if why is not None:
-                why = f"in param group {g}, {why}"
-                break
-    if why is None:
-        why = _differs(_settings(optimizer), built.settings)
-    if why is not None:
-        raise _cannot(optimizer, path, f"rebuilt over there from its constructor arguments, "
-                                       f"it differs: {why}")
-
-
-def _cannot(optimizer: Any, path: str, why: str) -> Refused:
-    name = type(optimizer).__qualname__
-    return Refused(
-        f"{name} holds parameters of {path!r}, which is placed on a worker, and it cannot "
-        f"be rebuilt there as it is here: {why}. An optimizer is rebuilt from the "
-        "constructor arguments it keeps in its defaults (as torch.optim's do): keep every "
-        f"argument of {name} in defaults, or train {path!r} over there with an optimizer "
-        f"of your choice: SomatizeStrategy(place=..., trains={{{path!r}: "
-        "Split(torch.optim.AdamW, lr=...)}})")
-
 
 # -- here: the one object that owns the mirrors ------------------------------------------
 
