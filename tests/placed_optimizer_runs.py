@@ -247,6 +247,124 @@ def interrupted(out):
     time.sleep(60)  # not reached: the fit ends with SIGINT
 
 
+class DenseNet(nn.Module):
+    """lightning-hydra-template's SimpleDenseNet, as it behaves: images flattened, then a
+    ``model`` of three Linear-BatchNorm-ReLU blocks and a Linear head."""
+
+    def __init__(self, size=64, hidden=32, classes=10):
+        super().__init__()
+        blocks = []
+        for n_in in (size, hidden, hidden):
+            blocks += [nn.Linear(n_in, hidden), nn.BatchNorm1d(hidden), nn.ReLU()]
+        self.model = nn.Sequential(*blocks, nn.Linear(hidden, classes))
+
+    def forward(self, x):
+        return self.model(x.view(x.size(0), -1))
+
+
+class TemplateModule(pl.LightningModule):
+    """lightning-hydra-template's MNISTLitModule, as it behaves: the net, the optimizer and
+    scheduler factories kept by save_hyperparameters (the net in hparams too), torchmetrics
+    for loss and accuracy, the optimizer built over ``self.trainer.model.parameters()``, a
+    ReduceLROnPlateau on val/loss each epoch."""
+
+    def __init__(self, net, optimizer, scheduler, compile=False):
+        super().__init__()
+        from torchmetrics import MaxMetric, MeanMetric
+        from torchmetrics.classification import Accuracy
+
+        self.save_hyperparameters(logger=False)
+        self.net = net
+        self.criterion = nn.CrossEntropyLoss()
+        self.train_acc, self.val_acc = (Accuracy(task="multiclass", num_classes=10)
+                                        for _ in range(2))
+        self.train_loss, self.val_loss = MeanMetric(), MeanMetric()
+        self.val_acc_best = MaxMetric()
+
+    def forward(self, x):
+        return self.net(x)
+
+    def on_train_start(self):
+        self.val_loss.reset()
+        self.val_acc.reset()
+        self.val_acc_best.reset()
+
+    def model_step(self, batch):
+        x, y = batch
+        logits = self(x)
+        return self.criterion(logits, y), logits.argmax(dim=1), y
+
+    def training_step(self, batch, i):
+        loss, preds, y = self.model_step(batch)
+        self.train_loss(loss)
+        self.train_acc(preds, y)
+        self.log("train/loss", self.train_loss, on_step=False, on_epoch=True)
+        self.log("train/acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch, i):
+        loss, preds, y = self.model_step(batch)
+        self.val_loss(loss)
+        self.val_acc(preds, y)
+        self.log("val/loss", self.val_loss, on_step=False, on_epoch=True)
+        self.log("val/acc", self.val_acc, on_step=False, on_epoch=True)
+
+    def on_validation_epoch_end(self):
+        self.val_acc_best(self.val_acc.compute())
+        self.log("val/acc_best", self.val_acc_best.compute(), sync_dist=True)
+
+    def configure_optimizers(self):
+        optimizer = self.hparams.optimizer(params=self.trainer.model.parameters())
+        scheduler = self.hparams.scheduler(optimizer=optimizer)
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"scheduler": scheduler, "monitor": "val/loss",
+                                 "interval": "epoch", "frequency": 1}}
+
+
+def images(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.rand(n, 1, 8, 8, generator=g)
+    return tud.DataLoader(tud.TensorDataset(x, torch.randint(0, 10, (n,), generator=g)),
+                          batch_size=16)
+
+
+def template(out):
+    """The template's module, unmodified, with net.model placed; checkpoints every epoch
+    (ModelCheckpoint, save_last): last.ckpt, plain and placed."""
+    import functools
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    got = {}
+    for kind, strategy in (("plain", lambda: "auto"),
+                           ("split", lambda: SomatizeStrategy(place={"net.model": "worker"}))):
+        pl.seed_everything(0)
+        model = TemplateModule(
+            DenseNet(), functools.partial(torch.optim.Adam, lr=1e-3, weight_decay=0.0),
+            functools.partial(torch.optim.lr_scheduler.ReduceLROnPlateau, mode="min",
+                              factor=0.1, patience=0))
+        where = os.path.join(os.path.dirname(out), f"template-{kind}")
+        said = ""
+        try:
+            trainer = pl.Trainer(logger=False, enable_progress_bar=False,
+                                 enable_model_summary=False, strategy=strategy(),
+                                 max_epochs=3, default_root_dir=where,
+                                 callbacks=[ModelCheckpoint(dirpath=where, save_last=True,
+                                                            every_n_epochs=1)])
+            trainer.fit(model, images(64, 0), images(32, 1))
+        except Exception as e:  # noqa: BLE001 (what the run said, for the test to show)
+            said = f"{type(e).__name__}: {e}"
+        last = os.path.join(where, "last.ckpt")
+        ckpt = torch.load(last, weights_only=False) if os.path.exists(last) else None
+        if ckpt is not None:  # the net kept in hparams: its class lives in __main__ here
+            net = ckpt["hyper_parameters"]["net"]
+            ckpt = {k: ckpt[k] for k in ("epoch", "state_dict", "optimizer_states",
+                                         "lr_schedulers")}
+            ckpt["net"] = (type(net).__qualname__, net.state_dict())
+        got[kind] = {"said": said, "ckpt": ckpt}
+    torch.save(got, out)
+
+
 def many(out, *cases):
     """Several runs in one process (one interpreter start, one worker), each saved beside
     ``out`` as ``<case>.pt``; ``optimizers:SGD,AdamW`` passes arguments."""

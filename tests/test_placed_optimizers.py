@@ -76,6 +76,27 @@ def test_a_checkpoint_written_after_fit_is_complete_and_resumes_as_plain_lightni
     assert same(weights, plain["resumed"][1])
 
 
+@pytest.mark.xfail(reason="the placed module does not pickle yet (save_hyperparameters keeps "
+                          "net): wt18's fix; remove this mark once merged", strict=False)
+def test_lightning_hydra_templates_module_unmodified_checkpoints_plain_lightnings_last_ckpt(
+        tmp_path):
+    # MNISTLitModule's behaviour (tests/placed_optimizer_runs.py: TemplateModule), net.model
+    # placed, checkpointed every epoch: last.ckpt's weights, optimizer states and the net
+    # kept in hyper_parameters equal plain's
+    done = subprocess.run([sys.executable, RUNS, "template", str(tmp_path / "template.pt")],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = torch.load(tmp_path / "template.pt", weights_only=False)
+    assert got["split"]["said"] == got["plain"]["said"] == ""
+    plain, split = got["plain"]["ckpt"], got["split"]["ckpt"]
+    assert plain["epoch"] == split["epoch"] == 2
+    assert same(split["state_dict"], plain["state_dict"])
+    assert same(split["optimizer_states"], plain["optimizer_states"])
+    assert same(split["lr_schedulers"], plain["lr_schedulers"])
+    assert split["net"][0] == plain["net"][0] == "DenseNet"
+    assert same(split["net"][1], plain["net"][1])
+
+
 # -- the private torch names the placed route relies on (somatize/torch/_private.py) ------
 
 def test_each_private_torch_name_relied_on_exists_and_does_what_it_is_used_for():
