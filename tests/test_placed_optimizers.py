@@ -4,6 +4,7 @@ a script, rebuilt from the same constructor arguments, exact against plain Light
 those that cannot be rebuilt refused before the first batch; a checkpoint written after
 fit returns complete; the private torch names the placed route relies on, pinned."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -169,46 +170,56 @@ def _alive(pids: set[int]) -> set[int]:
     return left
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_ctrl_c_at_any_moment_of_a_placed_fit_ends_every_process_within_ten_seconds(tmp_path):
+    # twenty fits (five at a time), each interrupted at a random moment after its first
+    # batch by SIGINT to the coordinator alone; each process tree ends within 10 s
     import random
     import signal
     import time
 
     rng = random.Random(18)
-    tries, at_once, results = 20, 5, []
-    for first in range(0, tries, at_once):
-        running = []
-        for k in range(first, min(first + at_once, tries)):
-            out = tmp_path / f"interrupted-{k}.pt"
-            marker = tmp_path / f"interrupted-{k}.pt.started"  # written after the first batch
-            proc = subprocess.Popen([sys.executable, RUNS, "interrupted", str(out)],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                    text=True, cwd=ROOT, env=ENV)
-            running.append((k, proc, marker, rng.uniform(0.0, 1.5)))
-        for k, proc, marker, delay in running:
-            deadline = time.monotonic() + 180
-            while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert marker.exists(), (k, proc.poll())
-            time.sleep(delay)
-            tree = _tree(proc.pid)
-            sent = time.monotonic()
-            proc.send_signal(signal.SIGINT)
-            try:
-                _, err = proc.communicate(timeout=10)
-            except subprocess.TimeoutExpired:
-                err = ""
-            while time.monotonic() < sent + 10 and _alive(tree):
-                time.sleep(0.05)
-            left = _alive(tree)
-            took = time.monotonic() - sent
-            for p in left:  # never leave them behind, whatever the verdict
+    tries, at_once, results, started = 20, 5, [], []
+    try:
+        for first in range(0, tries, at_once):
+            running = []
+            for k in range(first, min(first + at_once, tries)):
+                out = tmp_path / f"interrupted-{k}.pt"
+                marker = tmp_path / f"interrupted-{k}.pt.started"  # after the first batch
+                proc = subprocess.Popen([sys.executable, RUNS, "interrupted", str(out)],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        text=True, cwd=ROOT, env=ENV)
+                started.append(proc)
+                running.append((k, proc, marker, rng.uniform(0.0, 1.5)))
+            for k, proc, marker, delay in running:
+                deadline = time.monotonic() + 180
+                while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert marker.exists(), (k, proc.poll())
+                time.sleep(delay)
+                tree = _tree(proc.pid)
+                sent = time.monotonic()
+                proc.send_signal(signal.SIGINT)
                 try:
+                    _, err = proc.communicate(timeout=10)
+                except subprocess.TimeoutExpired:
+                    err = ""
+                while time.monotonic() < sent + 10 and _alive(tree):
+                    time.sleep(0.05)
+                left = _alive(tree)
+                results.append((k, round(delay, 2), round(time.monotonic() - sent, 2),
+                                sorted(left), err[-600:]))
+                for p in left:  # never left behind, whatever the verdict
+                    with contextlib.suppress(OSError):
+                        os.kill(p, signal.SIGKILL)
+    finally:
+        for proc in started:
+            for p in _alive(_tree(proc.pid)):
+                with contextlib.suppress(OSError):
                     os.kill(p, signal.SIGKILL)
-                except OSError:
-                    pass
-            results.append((k, round(delay, 2), round(took, 2), sorted(left), err[-600:]))
     hung = [r for r in results if r[3]]
     assert not hung, hung
     assert all(r[2] < 10 for r in results), results
+    # what was not brought here is said
+    assert all("interrupted (Ctrl-C)" in r[4] or "KeyboardInterrupt" in r[4]
+               for r in results), results
