@@ -131,6 +131,9 @@ class Body(pl.LightningModule):
         self.log("loss", loss)
         return loss
 
+    def validation_step(self, batch, i):
+        self.log("val", F.mse_loss(self.head(self.body(batch[0])), batch[0]))
+
     def configure_optimizers(self):
         return torch.optim.Adam(self.parameters(), lr=1e-3)
 
@@ -211,11 +214,14 @@ def after_fit(out):
         path = os.path.join(where, f"after-{kind}.ckpt")
         trainer.save_checkpoint(path)
         state_here = trainer.optimizers[0].state_dict()["state"]
+        trainer.validate(model, data(32), verbose=False)  # a route that does not train
+        validated = trainer.optimizers[0].state_dict()["state"]
         pl.seed_everything(1)
         resumed = Body()
         _, more = fit(resumed, "auto", ckpt=path, max_epochs=2)
         got[kind] = {"ckpt": torch.load(path, weights_only=False), "losses": losses,
                      "state_here": state_here, "module": weights(model),
+                     "validated": validated,
                      "resumed": (more, weights(resumed))}
     torch.save(got, out)
 

@@ -71,6 +71,8 @@ def test_a_checkpoint_written_after_fit_is_complete_and_resumes_as_plain_lightni
     assert same(split["ckpt"]["state_dict"], plain["ckpt"]["state_dict"])
     # the optimizer and the module here, read after fit: what plain has
     assert same(split["state_here"], plain["state_here"])
+    # and a validation run after fit leaves them as they are
+    assert same(split["validated"], plain["state_here"])
     assert same(split["module"], plain["module"])
     more, weights = split["resumed"]
     assert len(more) >= 4 and more == plain["resumed"][0]

@@ -74,6 +74,7 @@ class DropIn:
         # the optimizers over there, and what keeps them in step with the ones here
         self.mirror = Mirror(self.modules, self.links, self.optimizers, trains, schedulers)
         self.interrupted = False  # Ctrl-C: nothing more is asked of the workers
+        self.trains = False  # set by fitting()
         self.mirror.patch_zero_grads(list(lightning_optimizers))
         if precision is not None:
             self.mirror.patch_precision(precision)
@@ -105,6 +106,7 @@ class DropIn:
 
     # -- what the strategy tells it ----------------------------------------------------
     def fitting(self, on: bool) -> None:
+        self.trains = on  # validate or test after fit: the optimizers here keep their state
         for link in self.links.values():
             link.fitting = on
 
@@ -156,8 +158,10 @@ class DropIn:
         here (unless the worker is lost), give the module its own forward back, and end
         the session."""
         try:
-            if pull and not self.interrupted:  # after fit: the optimizers here are one piece's
-                self.mirror.keep_here(self.sync())
+            if pull and not self.interrupted:
+                states = self.sync()
+                if self.trains:  # after fit: the optimizers here are one piece's
+                    self.mirror.keep_here(states)
         finally:
             for link in self.links.values():
                 link.uninstall()
