@@ -96,6 +96,11 @@ class PlacedRoute(Route):
         return {"": self.dropin.where()}  # placed submodules by path, under ""
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, KeyboardInterrupt):
+            self.dropin.interrupt()  # teardown then waits for no worker, and says what is lost
+
+    @override
     def close(self, pull: bool) -> None:
         if not self.closed:
             self.closed = True

@@ -82,6 +82,11 @@ class Route(ABC):
         got = [s.traffic() for s in {id(s): s for s in self.sessions().values()}.values()]
         return (sum(g[0] for g in got), sum(g[1] for g in got), sum(g[2] for g in got))
 
+    def on_exception(self, exception: BaseException) -> None:
+        """The fit ends with ``exception`` (before teardown): a Ctrl-C
+        (``KeyboardInterrupt``) asks that teardown wait for no worker."""
+        return None  # nothing to do unless the route says otherwise
+
     @abstractmethod
     def close(self, pull: bool) -> None:
         """The fit is over: bring the weights here (``pull``), give the modules their own

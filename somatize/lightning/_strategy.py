@@ -302,6 +302,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        for route in self.routes:
+            route.on_exception(exception)
         if isinstance(exception, WorkerError):
             self._broken = True
             if any(route.trains for route in self.routes):

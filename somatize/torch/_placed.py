@@ -12,7 +12,7 @@ group, hyper-parameters sent with each step) apply them.
     link = Link(step, "encoder", module)      # step: a Step over the placed modules
     link.install()                            # module(x) now runs over there
     y = module(x, mask=m); y.sum().backward() # the encoder's weights get .grad there
-    link.step(0, optimizer)                   # queued; sent with the next call
+    link.queue(Step(0, groups))               # an optimizer step (_mirror_ops), queued
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from ._fresh import fresh, unfresh
 from ._math import math_flags, set_math
 from ._module import ModuleNode
 from ._ordinary import Attributes, into
-from ._private import plainly, route_calls, routed_to
+from ._private import hook_count, plainly, route_calls, routed_to
 from ._raised import Raised, rebuilt
 from ._tree import tree_flatten, tree_unflatten
 
@@ -43,31 +43,23 @@ log = logging.getLogger(__name__)
 
 
 class Placed(ModuleNode):
-    """A placed module where it runs: the calls kept for their backward, and the
-    optimizers that mirror the ones here (by index of the optimizer here)."""
+    """A placed module where it runs: the calls kept for their backward, the optimizers
+    that mirror the ones here (by index of the optimizer here), and the one the user
+    chose for it (``trains=``), if any."""
 
     def __init__(self, module: torch.nn.Module):
         super().__init__(module)
         self.kept: dict[int, tuple[list, list]] = {}
         self.mirrors: dict[int, torch.optim.Optimizer] = {}
+        self.chosen: torch.optim.Optimizer | None = None
 
 
 # -- run over there, against the worker's live graph (the transport's generic call) --------
 
 def _apply(placed: Placed, ops: list) -> None:
     for op in ops:
-        if hasattr(op, "apply"):  # a typed op: it does its own work
+        if not isinstance(op, tuple):  # a typed operation (the optimizers': _mirror_ops)
             op.apply(placed)
-        elif op[0] == "step":
-            _, i, groups = op
-            opt = placed.mirrors[i]
-            for group, hyper in zip(opt.param_groups, groups or [], strict=bool(groups)):
-                group.update(hyper)
-            with span(f"optimizer step {i}", "step"):
-                opt.step()
-        elif op[0] == "zero":
-            _, i, set_to_none = op
-            placed.mirrors[i].zero_grad(set_to_none=set_to_none)
         elif op[0] == "modes":
             for m, mode in zip(placed.module.modules(), op[1], strict=True):
                 m.training = mode
@@ -76,28 +68,8 @@ def _apply(placed: Placed, ops: list) -> None:
         elif op[0] == "requires_grad":  # toggle_optimizer, requires_grad_() here
             for p, flag in zip(placed.module.parameters(), op[1], strict=True):
                 p.requires_grad_(flag)
-        elif op[0] == "add_group":
-            _, i, names, hyper = op
-            params = dict(placed.module.named_parameters())
-            placed.mirrors[i].add_param_group({**hyper, "params": [params[n] for n in names]})
         elif op[0] == "weights":
             _copy_into(placed.module, op[1])
-        elif op[0] == "clip_mul":
-            _, i, coef = op
-            grads = _grads(placed.mirrors[i])
-            if grads:
-                torch._foreach_mul_(grads, coef.to(grads[0].device))
-        elif op[0] == "clip_value":
-            _, i, value = op
-            torch.nn.utils.clip_grad_value_(_params(placed.mirrors[i]), clip_value=value)
-
-
-def _params(opt: torch.optim.Optimizer) -> list:
-    return [p for g in opt.param_groups for p in g["params"]]
-
-
-def _grads(opt: torch.optim.Optimizer) -> list:
-    return [p.grad for p in _params(opt) if p.grad is not None]
 
 
 def _moved(value: Any, device: torch.device) -> Any:
@@ -116,51 +88,8 @@ def _settled_on(placed: Placed, device: str) -> torch.device:
     return dev
 
 
-def _mirror(live, name: str, i: int, groups: list, cls: type, defaults: dict,
-            device: str = "cpu") -> None:
-    placed = live.catalog[name]
-    _settled_on(placed, device)
-    params = dict(placed.module.named_parameters())
-    placed.mirrors[i] = cls([{**hyper, "params": [params[n] for n in names]}
-                             for names, hyper in groups], **defaults)
-
-
-def _choose(live, name: str, factory: Any) -> None:
-    placed = live.catalog[name]
-    placed.mirrors["chosen"] = factory([p for p in placed.module.parameters() if p.requires_grad])
-
-
-def _chosen_state(live, name: str, ops: list) -> dict:
-    placed = live.catalog[name]
-    _apply(placed, ops)
-    return _on_cpu(placed.mirrors["chosen"].state_dict())
-
-
-def _load_chosen(live, name: str, state: dict) -> None:
-    live.catalog[name].mirrors["chosen"].load_state_dict(state)
-
-
 def _run_ops(live, name: str, ops: list) -> None:
     _apply(live.catalog[name], ops)
-
-
-def _norms(live, name: str, i: int, norm_type: float, ops: list) -> dict:
-    placed = live.catalog[name]
-    _apply(placed, ops)
-    names = {id(p): n for n, p in placed.module.named_parameters()}
-    return {names[id(p)]: torch._foreach_norm([p.grad], norm_type)[0].cpu()
-            for p in _params(placed.mirrors[i]) if p.grad is not None}
-
-
-def _unscale(live, name: str, i: int, inv: torch.Tensor, ops: list) -> torch.Tensor:
-    placed = live.catalog[name]
-    _apply(placed, ops)
-    grads = _grads(placed.mirrors[i])
-    dev = grads[0].device if grads else torch.device("cpu")
-    found = torch.zeros(1, device=dev)
-    if grads:  # what GradScaler.unscale_ does to each gradient, in place
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv.to(dev))
-    return found.cpu()
 
 
 def _state(live, name: str, ops: list) -> dict:
@@ -171,15 +100,6 @@ def _state(live, name: str, ops: list) -> dict:
              for i, opt in placed.mirrors.items()}
     weights = {k: v.detach().to("cpu", copy=True) for k, v in placed.module.state_dict().items()}
     return {"weights": weights, "optimizers": optim}
-
-
-def _load_optimizer(live, name: str, i: int, by_name: dict) -> None:
-    opt = live.catalog[name].mirrors[i]
-    names = {id(p): n for n, p in live.catalog[name].module.named_parameters()}
-    order = [names[id(p)] for g in opt.param_groups for p in g["params"]]
-    sd = opt.state_dict()
-    sd["state"] = {k: by_name[n] for k, n in enumerate(order) if n in by_name}
-    opt.load_state_dict(sd)
 
 
 def _on_cpu(value: Any) -> Any:
@@ -240,7 +160,6 @@ class Link:
         self.fitting = False
         self.stale = False  # the weights here are behind the ones over there
         self.exposed: dict[int, torch.Tensor] = {}  # id -> value when handed out as .data
-        self.chosen = False  # trained over there by the user's choice, not by mirrors
         self._inflight: list = []  # backwards sent and not yet answered
         self._routes: dict[int, Any] = {}  # id(module) -> what its calls are routed to
         self.needs: dict[int, list[bool]] = {}  # per call in flight: which arguments ask dL/d
@@ -261,7 +180,7 @@ class Link:
             self._routes[id(child)] = functools.partial(_refuse_here, self, path, child)
         for m in self.module.modules():
             route_calls(m, self._routes[id(m)])
-        self._hooked = [_hook_count(child) for _, child in self._children]
+        self._hooked = [hook_count(child) for _, child in self._children]
         self.attributes = Attributes(self.module)
         self.remember()
         self.buffered = any(True for _ in self.module.buffers())
@@ -373,57 +292,18 @@ class Link:
             raise rebuilt(got, f"module {self.name!r} on worker {self.host!r}{pid}")
         return got
 
-    # -- the optimizers over there ---------------------------------------------------------
-    def mirror(self, i: int, optimizer: torch.optim.Optimizer, groups: list) -> None:
-        """Build, over there, the mirror of optimizer ``i`` over the placed parameters."""
-        names = [names for _, names in groups]
-        hyper = [_hyper(optimizer.param_groups[g]) for g, _ in groups]
-        # the class travels by value where it must (cloudpickle pickles the call)
-        fn = functools.partial(_mirror, cls=type(optimizer), defaults=dict(optimizer.defaults),
-                               device=self.device)
-        self._rpc(fn, self.name, i, list(zip(names, hyper, strict=True)))
+    # -- what the optimizers here send (somatize.torch._mirror) ------------------------------
+    def queue(self, op: Any) -> None:
+        """Send ``op`` (a typed operation: ``op.apply(placed)`` over there) with the next
+        call. An op that moves the weights over there (a step) leaves the copy here stale."""
+        self.ops.append(op)
+        self.stale = self.stale or getattr(op, "moves_weights", False)
 
-    def grow(self, i: int, optimizer: torch.optim.Optimizer, groups: list) -> None:
-        """Groups added to optimizer ``i`` here: added to its mirror over there too."""
-        for g, names in groups:
-            self.ops.append(("add_group", i, names, _hyper(optimizer.param_groups[g])))
-
-    def stepped(self, i: int, optimizer: torch.optim.Optimizer, groups: list) -> None:
-        """Optimizer ``i`` stepped here: its mirror steps over there, with its groups'
-        hyper-parameters as they are now (a scheduler's lr included)."""
-        self.ops.append(("step", i, [_hyper(optimizer.param_groups[g]) for g, _ in groups]))
-        self.stale = True
-
-    def zeroed(self, i: int, set_to_none: bool) -> None:
-        self.ops.append(("zero", "chosen" if self.chosen else i, set_to_none))
-
-    def choose(self, factory: Any) -> None:
-        """Train the module over there with ``factory(parameters)`` (the user's choice)."""
-        self.chosen = True
-        self._rpc(functools.partial(_choose, factory=factory), self.name)  # by value if need be
-
-    def chosen_state(self) -> dict:
+    def call(self, fn: Any, *args: Any) -> Any:
+        """Run ``fn(live, name, *args, ops)`` over there now: what is queued goes with it,
+        to be done first."""
         ops, self.ops = self.ops, []
-        return self._rpc(_chosen_state, self.name, ops)
-
-    def load_chosen(self, state: dict) -> None:
-        self._rpc(_load_chosen, self.name, state)
-
-    def clip_value(self, i: int, value: float) -> None:
-        self.ops.append(("clip_value", i, value))
-
-    def clip_mul(self, i: int, coef: torch.Tensor) -> None:
-        self.ops.append(("clip_mul", i, coef))
-
-    def norms(self, i: int, norm_type: float) -> dict:
-        """Each placed parameter's gradient norm over there (one round trip)."""
-        ops, self.ops = self.ops, []
-        return self._rpc(_norms, self.name, i, norm_type, ops)
-
-    def unscale(self, i: int, inv: torch.Tensor) -> torch.Tensor:
-        """Unscale the mirror's gradients as GradScaler does; answer its found_inf."""
-        ops, self.ops = self.ops, []
-        return self._rpc(_unscale, self.name, i, inv, ops)
+        return self._rpc(fn, self.name, *args, ops)
 
     def flush(self) -> None:
         """Send what is queued (steps, zero_grads) now."""
@@ -460,7 +340,7 @@ class Link:
         """A hook put on a child here since the module was sent never runs (the child runs
         over there): said once per child."""
         for k, (path, child) in enumerate(self._children):
-            now = _hook_count(child)
+            now = hook_count(child)
             if now > self._hooked[k] and path not in self._warned:
                 self._warned.add(path)
                 log.warning("a hook was registered here on %s.%s, which runs on worker %r: "
@@ -489,22 +369,11 @@ class Link:
             self.ops.append(("weights", changed))
             self.remember()
 
-    def load_optimizer(self, i: int, by_name: dict) -> None:
-        self._rpc(_load_optimizer, self.name, i, by_name)
-
-
-def _hook_count(m: torch.nn.Module) -> int:
-    return (len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-            + len(m._backward_pre_hooks))
 
 
 def _crossing(value: Any) -> Any:
     # what RPC sends without device maps: detached CPU tensors
     return value.detach().cpu() if isinstance(value, torch.Tensor) else value
-
-
-def _hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
 
 
 def _refuse_here(link: Link, path: str, child: torch.nn.Module, *args: Any,

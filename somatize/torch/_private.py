@@ -1,8 +1,13 @@
-"""torch's private parts that somatize leans on, in one place (so a torch upgrade that
-moves one breaks here, named, and nowhere else).
+"""Every private torch name somatize relies on, in one place: where torch offers no public
+way (a module's call routing, a GradScaler's found-inf record and scale, the per-tensor
+norm and unscale kernels ``clip_grad_norm_`` and ``GradScaler.unscale_`` use, a module's
+hook dictionaries). A torch upgrade that drops one breaks here, naming the attribute;
+tests/test_placed_optimizers.py pins that each exists.
 
     route_calls(module, link.forward)  # module(x) calls link.forward; pickles never see it
     route_calls(module, None)          # its own call again
+    found = scaler_found_inf(scaler, optimizer)   # GradScaler's per-optimizer record
+    norms = foreach_norm(grads, 2.0)
 """
 
 from __future__ import annotations
@@ -10,6 +15,66 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from .._errors import SomatizeError
+
+
+class TorchChanged(SomatizeError):
+    """A private torch name somatize relies on is missing from the installed torch."""
+
+
+def _need(owner: Any, attr: str, what: str) -> Any:
+    try:
+        return getattr(owner, attr)
+    except AttributeError:
+        where = getattr(owner, "__name__", type(owner).__name__)
+        raise TorchChanged(
+            f"{where}.{attr} is missing from torch {torch.__version__}: somatize reads it for "
+            f"{what} (somatize/torch/_private.py). Install the torch version somatize's "
+            "constraints.txt names, or report it with your torch version") from None
+
+
+def scaler_found_inf(scaler: Any, optimizer: Any) -> dict:
+    """GradScaler's record of one optimizer (``found_inf_per_device`` and its stage),
+    created as ``unscale_`` creates it."""
+    states = _need(scaler, "_per_optimizer_states", "the inf/NaN a loss scaler found")
+    return states[id(optimizer)]
+
+
+def scaler_found_inf_if_any(scaler: Any, optimizer: Any) -> dict:
+    """GradScaler's record of one optimizer, or ``{}`` when it has none yet."""
+    states = _need(scaler, "_per_optimizer_states", "the inf/NaN a loss scaler found")
+    return states.get(id(optimizer), {})
+
+
+def scaler_scale(scaler: Any) -> torch.Tensor:
+    """GradScaler's current scale as the tensor it divides by (not ``get_scale()``'s float)."""
+    return _need(scaler, "_scale", "the loss scale to unscale gradients over there")
+
+
+def foreach_norm(tensors: list, norm_type: float) -> list:
+    """Each tensor's norm, by the kernel ``clip_grad_norm_`` uses (bit for bit the same)."""
+    return _need(torch, "_foreach_norm", "per-parameter gradient norms")(tensors, norm_type)
+
+
+def foreach_mul_(tensors: list, scalar: Any) -> None:
+    """Multiply each tensor in place, by the kernel ``clip_grad_norm_`` uses."""
+    _need(torch, "_foreach_mul_", "clipping gradients by a coefficient")(tensors, scalar)
+
+
+def unscale_(grads: list, found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """What ``GradScaler.unscale_`` does to each gradient, in place (``found_inf`` set)."""
+    fn = _need(torch, "_amp_foreach_non_finite_check_and_unscale_", "unscaling gradients")
+    fn(grads, found_inf, inv_scale)
+
+
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+def hook_count(module: torch.nn.Module) -> int:
+    """How many forward and backward hooks ``module`` itself holds."""
+    return sum(len(_need(module, attr, "the hooks put on a placed module's children"))
+               for attr in _HOOKS)
 
 
 def route_calls(module: torch.nn.Module, fn: Any) -> None:
