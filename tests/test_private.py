@@ -19,9 +19,6 @@ HOMES = {"lightning/_private.py", "torch/_private.py", "remote/_private.py"}
 # known offenders still to move into their layer's home (by the helpers named): the lead
 # empties this list after merging, and each entry must still be needed (see below)
 STILL_TO_MOVE = {
-    "lightning/_dropin.py": "the optimizer mirror's GradScaler and _foreach (wt18b)",
-    "torch/_placed.py": "_foreach, the amp unscale and the hook counts (wt18, wt18b)",
-    "torch/_cached.py": "Tensor._version, to see writes",
     "remote/_group.py": "the RPC agent (wt20)",
     "remote/_membership.py": "the RPC group surgery (wt20)",
     "remote/_wire.py": "torch._C's PyRRef (wt20)",

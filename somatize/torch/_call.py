@@ -18,6 +18,7 @@ import torch
 
 from .._errors import WorkerError
 from .._trace import span
+from ._private import version
 from ._raised import caught
 from ._tree import tree_flatten, tree_unflatten
 
@@ -96,7 +97,7 @@ def _run_call(placed: Any, name: str, call: int, tensors: list, spec: Any, plain
               for t, need in zip(tensors, needs, strict=True)]
     flat = unpack(leaves, plain)
     args, kwargs = tree_unflatten(flat, spec)
-    versions = [t._version for t in leaves]
+    versions = [version(t) for t in leaves]
     modules = placed.__dict__.get("modules") or placed.__dict__.setdefault(
         "modules", list(placed.module.modules()))
     before = [dict(m.__dict__) for m in modules]
@@ -143,7 +144,7 @@ def _changed(args: tuple, kwargs: dict, flat: list, leaves: list, versions: list
     """The arguments, when the forward changed them in place (appended to a list, wrote
     into a tensor); else None. Tensors it left alone stand as ``Same`` (the caller's)."""
     after, spec = tree_flatten((args, kwargs))
-    touched = {id(t) for t, v in zip(leaves, versions, strict=True) if t._version != v}
+    touched = {id(t) for t, v in zip(leaves, versions, strict=True) if version(t) != v}
     same = len(after) == len(flat) and all(a is b for a, b in zip(after, flat, strict=True))
     if same and not touched:
         return None

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._private import plainly
+from ._private import METADATA_READS, plainly, rebuild_parameter
 
 _owner: dict[int, Any] = {}  # id(tensor) -> the Link whose module holds it
 
@@ -30,25 +30,11 @@ def _read(tensors: Any) -> None:
                 link.bring()
 
 
-_META = {
-    torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor._version.__get__,
-    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-    torch.Tensor.requires_grad.__get__, torch.Tensor.requires_grad.__set__,
-    torch.Tensor.is_leaf.__get__, torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__,
-    torch.Tensor.is_cuda.__get__, torch.Tensor.is_sparse.__get__, torch.Tensor.grad_fn.__get__,
-    torch.Tensor.numel, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.nelement,
-    torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
-    torch.Tensor.requires_grad_, torch.Tensor.__hash__, torch.Tensor.data_ptr,
-    torch.Tensor.register_hook, torch.Tensor.is_contiguous, torch.Tensor.stride,
-    torch.Tensor.get_device, torch.Tensor.storage_offset,
-}
-
-
 _DATA = torch.Tensor.data.__get__
 
 
 def _torch_function(cls, func, types, args=(), kwargs=None):
-    if func not in _META:
+    if func not in METADATA_READS:
         _read(args)
         if kwargs:
             _read(kwargs.values())
@@ -75,7 +61,7 @@ class FreshParameter(torch.nn.Parameter):
     def __reduce_ex__(self, proto):
         _read([self])
         with plainly():
-            return (torch._utils._rebuild_parameter,
+            return (rebuild_parameter(),
                     (self.data, self.requires_grad, {}))  # a plain Parameter, when loaded
 
     def __deepcopy__(self, memo):

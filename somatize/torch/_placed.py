@@ -2,14 +2,14 @@
 (tensors, nested tuples, lists and dicts of tensors and plain values), any nested output,
 several calls per step, a gradient to every argument that asks for one.
 
-The module travels once (as a node of a one-node-per-module graph, driven by ``Step``);
+The module travels once (as a node of a one-node-per-module graph, on a ``Session``);
 a call sends its arguments, the RNG state and the grad mode, and comes back with the
 outputs and the advanced RNG state; the autograd graph here holds one ``_Remote`` node
 per call whose backward sends dL/d(outputs) and receives dL/d(arguments). The weights'
 gradients accumulate over there, where optimizers that mirror the ones here (group by
 group, hyper-parameters sent with each step) apply them.
 
-    link = Link(step, "encoder", module)      # step: a Step over the placed modules
+    link = Link(session, "encoder", module)   # session: a Session over the placed modules
     link.install()                            # module(x) now runs over there
     y = module(x, mask=m); y.sum().backward() # the encoder's weights get .grad there
     link.queue(Step(0, groups))               # an optimizer step (_mirror_ops), queued
@@ -22,7 +22,6 @@ import functools
 import itertools
 import logging
 import pickle
-from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
@@ -32,10 +31,10 @@ from .._errors import Refused
 from .._trace import span
 from ._call import Same, _backward, _call, _weights, dumps, pack, unpack
 from ._fresh import fresh, unfresh
-from ._math import math_flags, set_math
 from ._module import ModuleNode
+from ._module_ops import SetModes, SetRequiresGrad, SetWeights, copy_into
 from ._ordinary import Attributes, into
-from ._private import hook_count, plainly, route_calls, routed_to
+from ._private import hook_count, plainly, route_calls, routed_to, version
 from ._raised import Raised, rebuilt
 from ._tree import tree_flatten, tree_unflatten
 
@@ -57,19 +56,8 @@ class Placed(ModuleNode):
 # -- run over there, against the worker's live graph (the transport's generic call) --------
 
 def _apply(placed: Placed, ops: list) -> None:
-    for op in ops:
-        if not isinstance(op, tuple):  # a typed operation (the optimizers': _mirror_ops)
-            op.apply(placed)
-        elif op[0] == "modes":
-            for m, mode in zip(placed.module.modules(), op[1], strict=True):
-                m.training = mode
-        elif op[0] == "math":  # the caller's math settings, changed since its last call
-            set_math(op[1])
-        elif op[0] == "requires_grad":  # toggle_optimizer, requires_grad_() here
-            for p, flag in zip(placed.module.parameters(), op[1], strict=True):
-                p.requires_grad_(flag)
-        elif op[0] == "weights":
-            _copy_into(placed.module, op[1])
+    for op in ops:  # typed: _module_ops, _ordinary.SetAttributes, _mirror_ops
+        op.apply(placed)
 
 
 def _moved(value: Any, device: torch.device) -> Any:
@@ -110,13 +98,6 @@ def _on_cpu(value: Any) -> Any:
     return copy.deepcopy(value)
 
 
-def _copy_into(module: torch.nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
-    with torch.no_grad():
-        for k, t in module.state_dict(keep_vars=True).items():
-            if k in weights:
-                t.copy_(weights[k])
-
-
 # -- here: the module's stand-in ------------------------------------------------------
 
 class _Remote(torch.autograd.Function):
@@ -140,12 +121,13 @@ class _Remote(torch.autograd.Function):
 class Link:
     """The module here, standing in for the one placed on ``host``: calls go there."""
 
-    def __init__(self, step: Any, name: str, module: torch.nn.Module, host: str,
+    def __init__(self, session: Any, name: str, module: torch.nn.Module, host: str,
                  here: torch.device | None = None):
-        self.step, self.name, self.module, self.host = step, name, module, host
+        self.session, self.name, self.module, self.host = session, name, module, host
         # where the model's other half computes, and where the placed module computes
         self.here = torch.device(here or "cpu")
-        self.device = step.runtime.peers[host].device if step.runtime.peers.get(host) else "cpu"
+        peers = session.runtime.peers
+        self.device = peers[host].device if peers.get(host) else "cpu"
         if self.here.type != "cpu" or self.device != "cpu":
             log.info("module %r computes on %s on worker %r, the rest on %s here: tensors cross "
                      "through the CPU (moved at the boundary)", name, self.device, host,
@@ -154,8 +136,6 @@ class Link:
         self.ops: list = []  # steps, zero_grads, modes, writes: sent with the next call
         self.modes: tuple | None = None
         self.flags: tuple | None = None  # the parameters' requires_grad, as last sent
-        self.math: tuple | None = None  # math settings (threads, TF32...), as last sent
-        self.own_threads = step.runtime.spec(host).threads is not None
         self.versions: dict[str, int] = {}
         self.fitting = False
         self.stale = False  # the weights here are behind the ones over there
@@ -217,17 +197,15 @@ class Link:
         blob = dumps((spec, plain))  # classes the script defines travel by value
         modes = tuple(m.training for m in self.module.modules())
         if modes != self.modes:
-            self.ops.append(("modes", modes))
+            self.ops.append(SetModes(modes))
             self.modes = modes
         with plainly():
             flags = tuple(p.requires_grad for p in self.module.parameters())
         if flags != self.flags:
-            self.ops.append(("requires_grad", flags))
+            self.ops.append(SetRequiresGrad(flags))
             self.flags = flags
-        math = math_flags(threads=not self.own_threads)  # Worker(threads=) stays as given
-        if math != self.math:
-            self.ops.append(("math", math))
-            self.math = math
+        # the math settings (threads, TF32...) as the session sends them, when changed
+        self.session.follow_math([self.host])  # (ordered: they arrive before this call)
         attrs = self.attributes.changed()  # a dropout's p, track_running_stats...
         if attrs is not None:
             self.ops.append(attrs)
@@ -244,7 +222,7 @@ class Link:
         if here.type != "cpu":
             self.answer = [_moved(t, here) for t in self.answer]
         torch.set_rng_state(rng)  # what one piece's draws would have left it at
-        self.step.ran.setdefault(self.name, Counter())[pid] += 1
+        self.session.account.add(self.name, pid)
         self.stale = self.stale or self.buffered  # its buffers may have moved over there
         outs = self.answer
         if kept:  # something over there asks for dL/d(outputs): the call is in the graph
@@ -267,7 +245,7 @@ class Link:
         if not any(needs):
             # nothing here waits for dL/d(arguments): the backward over there overlaps with
             # the rest of this one; the next call to the worker waits for it first
-            self._inflight.append(self.step.runtime.call_async(self.host, *args))
+            self._inflight.append(self.session.runtime.call_async(self.host, *args))
             return []
         back = self._rpc(*args)
         return [None if g is None else _moved(g, self.here)
@@ -276,7 +254,7 @@ class Link:
     def _rpc(self, fn: Any, *args: Any) -> Any:
         # the worker runs calls in the order they were sent: this one goes at once, behind
         # what is in flight, whose answers are read first (their errors first)
-        answer = self.step.runtime.call_async(self.host, fn, *args)
+        answer = self.session.runtime.call_async(self.host, fn, *args)
         self.settle()
         return self._raise(answer.result())
 
@@ -287,7 +265,7 @@ class Link:
 
     def _raise(self, got: Any) -> Any:
         if isinstance(got, Raised):  # raised in the module over there: its own type here
-            peer = self.step.runtime.peers.get(self.host)
+            peer = self.session.runtime.peers.get(self.host)
             pid = f" (pid {peer.pid})" if peer is not None else ""
             raise rebuilt(got, f"module {self.name!r} on worker {self.host!r}{pid}")
         return got
@@ -320,7 +298,7 @@ class Link:
         ops, self.ops = self.ops, []
         got = self._rpc(_state, self.name, ops)
         with plainly():
-            _copy_into(self.module, got["weights"])
+            copy_into(self.module, got["weights"])
         self.remember()
         return got["optimizers"]
 
@@ -333,7 +311,7 @@ class Link:
         ops, self.ops = self.ops, []
         got = self._rpc(_weights, self.name, ops)
         with plainly():
-            _copy_into(self.module, got)
+            copy_into(self.module, got)
         self.remember()
 
     def catch_hooks(self) -> None:
@@ -353,7 +331,7 @@ class Link:
 
     def remember(self) -> None:
         with plainly():
-            self.versions = {k: t._version
+            self.versions = {k: version(t)
                              for k, t in self.module.state_dict(keep_vars=True).items()}
 
     def catch_writes(self) -> None:
@@ -362,11 +340,11 @@ class Link:
             now = self.module.state_dict(keep_vars=True)
             was = self.exposed  # handed out through .data since the last look
             changed = {k: t.detach().clone() for k, t in now.items()
-                       if t._version != self.versions.get(k)
+                       if version(t) != self.versions.get(k)
                        or (id(t) in was and not torch.equal(t, was[id(t)]))}
             self.exposed = {}
         if changed:
-            self.ops.append(("weights", changed))
+            self.ops.append(SetWeights(changed))
             self.remember()
 
 

@@ -98,3 +98,30 @@ def plainly() -> Any:
     """A context in which tensor subclasses' ``__torch_function__`` is not called (what
     somatize's own reads and writes of the placed weights here run under)."""
     return torch._C.DisableTorchFunctionSubclass()
+
+
+def version(t: torch.Tensor) -> int:
+    """``t``'s version counter, which every in-place write bumps (torch has no public way
+    to read it): how writes here are seen without comparing values."""
+    return t._version
+
+
+def rebuild_parameter() -> Any:
+    """The function a ``Parameter`` pickles through (``Parameter.__reduce_ex__``'s)."""
+    return _need(torch._utils, "_rebuild_parameter", "pickling a placed parameter plainly")
+
+
+# what reads a tensor's metadata only (no value): a placed weight's such reads are
+# served here without bringing it current
+METADATA_READS = frozenset({
+    torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor._version.__get__,
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.requires_grad.__get__, torch.Tensor.requires_grad.__set__,
+    torch.Tensor.is_leaf.__get__, torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__,
+    torch.Tensor.is_cuda.__get__, torch.Tensor.is_sparse.__get__, torch.Tensor.grad_fn.__get__,
+    torch.Tensor.numel, torch.Tensor.size, torch.Tensor.dim, torch.Tensor.nelement,
+    torch.Tensor.element_size, torch.Tensor.is_floating_point, torch.Tensor.is_complex,
+    torch.Tensor.requires_grad_, torch.Tensor.__hash__, torch.Tensor.data_ptr,
+    torch.Tensor.register_hook, torch.Tensor.is_contiguous, torch.Tensor.stride,
+    torch.Tensor.get_device, torch.Tensor.storage_offset,
+})

@@ -75,11 +75,6 @@ class Account:
         with self._lock:
             return {n: dict(c) for n, c in self._ran.items()}
 
-    # until the placed call proxy counts by add(): it writes ran.setdefault(...)[pid] += 1
-    def setdefault(self, name: str, default: Counter) -> Counter:
-        with self._lock:
-            return self._ran.setdefault(name, default)
-
 
 class Session:
     """The workers ``graph``'s placed nodes run on, and what a run over them shares.
@@ -108,11 +103,6 @@ class Session:
     def hosts(self) -> tuple[str, ...]:
         """The hosts this session's graph places work on."""
         return tuple(self.graph.placement.workers())
-
-    @property
-    def ran(self) -> Account:
-        """The account (what ``Link`` writes into until it calls ``account.add``)."""
-        return self.account
 
     def follow_math(self, hosts: Iterable[str] | None = None) -> None:
         """Send each worker this process's math settings (threads, TF32, deterministic
