@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._private import METADATA_READS, plainly, rebuild_parameter
+from ._private import DATA_READ, METADATA_READS, plainly, rebuild_parameter
 
 _owner: dict[int, Any] = {}  # id(tensor) -> the Link whose module holds it
 
@@ -30,15 +30,12 @@ def _read(tensors: Any) -> None:
                 link.bring()
 
 
-_DATA = torch.Tensor.data.__get__
-
-
 def _torch_function(cls, func, types, args=(), kwargs=None):
     if func not in METADATA_READS:
         _read(args)
         if kwargs:
             _read(kwargs.values())
-        if func == _DATA:  # (a method-wrapper: a new object each time it is read)
+        if func == DATA_READ:  # (a method-wrapper: a new object each time it is read)
             _exposed(args[0])
     with plainly():  # what comes out is a plain tensor: nothing of this class spreads
         return func(*args, **(kwargs or {}))

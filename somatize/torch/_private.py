@@ -125,3 +125,6 @@ METADATA_READS = frozenset({
     torch.Tensor.register_hook, torch.Tensor.is_contiguous, torch.Tensor.stride,
     torch.Tensor.get_device, torch.Tensor.storage_offset,
 })
+
+# a read of ``tensor.data`` (shares the storage, not the version counter)
+DATA_READ = torch.Tensor.data.__get__
