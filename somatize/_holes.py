@@ -77,6 +77,10 @@ class Runtime(Protocol):
         """End the run: close its sessions and stop the workers nobody else uses
         (idempotent)."""
 
+    def abort(self, why: str) -> None:
+        """Stop the run's workers now, waiting for none (Ctrl-C): embedded ones are
+        killed, standing ones' runs ended, each told ``why`` (idempotent)."""
+
 
 class Transport(NamedTuple):
     """How placed nodes reach their workers: the runtime a graph runs on, its end, and

@@ -63,33 +63,41 @@ class PlacedRoute(Route):
 
     @override
     def before_step(self) -> None:
-        self.dropin.check()  # an in-place compile() since the last step: refused now
+        if not self.closed:
+            self.dropin.check()  # an in-place compile() since the last step: refused now
 
     @override
     def optimizer_stepped(self, optimizer: Any) -> None:
-        self.dropin.stepped(optimizer)
+        if not self.closed:
+            self.dropin.stepped(optimizer)
 
     @override
     def bring_weights_here(self) -> None:
-        self.dropin.sync()
+        if not self.closed:  # after fit: brought here, with the optimizers' states, at close
+            self.dropin.sync()
 
     @override
     def state_out(self, checkpoint: dict[str, Any]) -> None:
-        if self.dropin.chosen:
+        if not self.closed and self.dropin.chosen:
             checkpoint.setdefault("somatize", {})["chosen"] = self.dropin.chosen_states()
 
     @override
     def state_in(self, checkpoint: Mapping[str, Any]) -> None:
+        if self.closed:
+            return
         self.dropin.load_optimizer_states(list(checkpoint.get("optimizer_states", [])))
         self.dropin.load_chosen_states(checkpoint.get("somatize", {}).get("chosen", {}))
 
     @override
     def optimizer_state(self, optimizer: Any, state: dict) -> dict:
+        if self.closed:  # after fit the optimizers here hold what the mirrors held
+            return state
         return self.dropin.optimizer_state(optimizer, state)
 
     @override
     def settle(self) -> None:
-        self.dropin.settle()
+        if not self.closed:
+            self.dropin.settle()
 
     @override
     def where(self) -> dict[str, dict[str, dict[int, int]]]:
@@ -97,7 +105,7 @@ class PlacedRoute(Route):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        if isinstance(exception, KeyboardInterrupt):
+        if isinstance(exception, KeyboardInterrupt) and not self.closed:
             self.dropin.interrupt()  # teardown then waits for no worker, and says what is lost
 
     @override
