@@ -79,8 +79,6 @@ def test_a_checkpoint_written_after_fit_is_complete_and_resumes_as_plain_lightni
     assert same(weights, plain["resumed"][1])
 
 
-@pytest.mark.xfail(reason="the placed module does not pickle yet (save_hyperparameters keeps "
-                          "net): wt18's fix; remove this mark once merged", strict=False)
 def test_lightning_hydra_templates_module_unmodified_checkpoints_plain_lightnings_last_ckpt(
         tmp_path):
     # MNISTLitModule's behaviour (tests/placed_optimizer_runs.py: TemplateModule), net.model
