@@ -22,13 +22,11 @@ import functools
 import itertools
 import logging
 import pickle
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from .._errors import Refused
-from .._trace import span
 from ._call import Same, _backward, _call, _weights, dumps, pack, unpack
 from ._fresh import fresh, unfresh
 from ._module import ModuleNode
