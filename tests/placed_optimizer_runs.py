@@ -227,15 +227,19 @@ def after_fit(out):
 
 
 class Started(pl.Callback):
-    """Writes a file once the first batch has trained: the test's signal to interrupt."""
+    """Writes ``OUT.started`` once the first batch has trained, then waits for ``OUT.go``
+    (the test lets one fit run at a time: the others idle, not competing for the CPU)."""
 
-    def __init__(self, path):
-        self.path = path
+    def __init__(self, out):
+        self.out = out
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        if batch_idx == 0 and not os.path.exists(self.path):
-            with open(self.path, "w") as f:
+        if batch_idx == 0 and not os.path.exists(self.out + ".started"):
+            with open(self.out + ".started", "w") as f:
                 f.write(str(os.getpid()))
+            deadline = time.monotonic() + 600
+            while not os.path.exists(self.out + ".go") and time.monotonic() < deadline:
+                time.sleep(0.05)
 
 
 def interrupted(out):
@@ -248,7 +252,7 @@ def interrupted(out):
     trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, max_epochs=10_000, limit_val_batches=0,
                          strategy=SomatizeStrategy(place={"body": "worker"}),
-                         callbacks=[Started(out + ".started")])
+                         callbacks=[Started(out)])
     trainer.fit(model, data(256))
     time.sleep(60)  # not reached: the fit ends with SIGINT
 
