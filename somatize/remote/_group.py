@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from .._errors import WorkerError
-from . import _membership
+from . import _membership, _sealed, _secret
 from ._settings import COORDINATOR, _started, backend_options, loopback, loopback_iface, settings
 from ._spawn import ask_daemon, spawn, warm
 from ._worker import Worker
@@ -87,8 +87,10 @@ class Group:
                 host = settings["listen"]
                 if loopback(host) and "TP_SOCKET_IFNAME" not in os.environ:
                     os.environ["TP_SOCKET_IFNAME"] = loopback_iface()
-                self._store, self._socket, port = _membership.rendezvous(
-                    host, settings["timeout"])
+                key = _secret.run_key()
+                _sealed.seal(key)  # before the first message: every one carries its MAC
+                self._gate = _membership.rendezvous(host, key, settings["timeout"])
+                self._store, port = self._gate.store, self._gate.port
                 self.join = f"tcp://{host}:{port}"
                 rpc.init_rpc(COORDINATOR, rank=0, world_size=None,
                              rpc_backend_options=backend_options(f"somatize://{host}:{port}",

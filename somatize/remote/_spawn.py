@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 from .._errors import WorkerError
+from ._secret import RUN_KEY_ENV, run_key
 from ._settings import loopback, loopback_iface, settings
 
 SERVING_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
@@ -50,6 +51,7 @@ def spawn(argv: list[str]) -> subprocess.Popen:
     # what imports here imports there: the script's directory and every path of this process
     paths = [os.path.abspath(p or os.getcwd()) for p in sys.path]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    env[RUN_KEY_ENV] = run_key().hex()  # the child's environment: no other user reads it
     return subprocess.Popen([sys.executable, "-m", "somatize.remote", *argv],
                             stdin=subprocess.PIPE, env=env)
 

@@ -1,0 +1,80 @@
+"""Who may talk to a run: a stranger without the run's secret (another local user, or
+a process reaching a TensorPipe listener directly) runs nothing in it, and the run goes
+on (docs/security.md)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+from remote_run import HERE, env
+
+RUNS = HERE / "secret_runs.py"
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user (root only)")
+
+
+def _target(tmp_path):
+    ready, go = tmp_path / "ready.json", tmp_path / "go"
+    proc = subprocess.Popen([sys.executable, str(RUNS), "target", str(ready), str(go)],
+                            cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the target never got ready"
+        time.sleep(0.05)
+    return proc, json.loads(ready.read_text()), go
+
+
+def _stranger(tmp_path, *args):
+    seen = pathlib.Path(tempfile.mkdtemp(dir="/tmp"))  # a tmp_path's parents are 0700
+    os.chmod(seen, 0o777)  # the stranger writes what it saw here
+    out = seen / "stranger.json"
+    (seen / "only-root-reads").write_bytes(b"secret")  # what the stranger may not read
+    os.chmod(seen / "only-root-reads", 0o600)
+    r = subprocess.run([sys.executable, str(RUNS), *args, str(out), "--as-nobody"],
+                       env=env(), capture_output=True, text=True, timeout=90, cwd="/")
+    assert out.exists(), r.stderr[-3000:]
+    return json.loads(out.read_text()), out
+
+
+def _finish(proc, go):
+    go.touch()
+    stdout, stderr = proc.communicate(timeout=90)
+    assert proc.returncode == 0, stderr[-3000:]
+    return stdout, stderr
+
+
+def test_another_user_cannot_join_through_the_rendezvous_and_the_run_goes_on(tmp_path):
+    proc, ready, go = _target(tmp_path)
+    try:
+        got, out = _stranger(tmp_path, "rendezvous", ready["join"])
+    finally:
+        stdout, stderr = _finish(proc, go)
+    assert "joined" not in got and "refused" in got, got
+    assert not os.path.exists(str(out) + ".ran")
+    assert "SAME True" in stdout  # the run answered the same after the attempt
+    assert stderr.count("refused a join from 127.0.0.1:") == 1, stderr[-3000:]
+
+
+@pytest.mark.parametrize("who", ["coordinator", "worker"])
+def test_another_user_reaching_a_listener_directly_runs_nothing(tmp_path, who):
+    proc, ready, go = _target(tmp_path)
+    addr = ready["addrs"]["coordinator" if who == "coordinator" else
+                          next(n for n in ready["addrs"] if n != "coordinator")]
+    try:
+        got, out = _stranger(tmp_path, "listener", addr)
+    finally:
+        stdout, stderr = _finish(proc, go)
+    assert not os.path.exists(str(out) + ".ran")  # its Python call ran nothing
+    assert got["python"].startswith("RuntimeError"), got  # an answer it cannot even read
+    assert "SAME True" in stdout
+    assert "refused a call that does not carry this run's MAC" in stderr
+    # what sealing cannot cover (docs/security.md): torch's built-in operators are called
+    # by name, with no pickle to seal; a stranger reaching a listener still runs them
+    assert got["builtin"] == "tensor([2., 2.])"
+    assert got["from_file"] == "tensor([115, 101,  99, 114, 101, 116], dtype=torch.uint8)"
