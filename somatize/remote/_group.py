@@ -163,7 +163,10 @@ class Group:
             cmd += ["--device", spec.device]
         if spec.kind == "standing":
             p = Peer(name, host, "standing", spec.timeout, rank=rank)
-            p.conn, reply = ask_daemon(spec.address, host, cmd, spec.timeout)
+            request = {"name": name, "rank": rank, "join": self.join,
+                       "options": {k: v for k, v in settings.items() if k != "listen"},
+                       "threads": spec.threads or _threads_here(), "device": spec.device}
+            p.conn, reply = ask_daemon(spec.address, host, request, spec.timeout)
             p.pid = reply.get("pid")
         else:
             if spec.store is not None:
