@@ -80,7 +80,7 @@ def _serve_run(conn: socket.socket, peer, host: str, store: str | None, children
         from .remote._spawn import serving_env
 
         env = serving_env(dict(os.environ))  # only a process we start can have them
-        if _loopback(host) and "TP_SOCKET_IFNAME" not in env:  # listen where we were told
+        if _loopback(host):  # listen where we were told, never wider
             env["TP_SOCKET_IFNAME"] = loopback_iface()
         for k in ("SOMATIZE_TOKEN", "SOMATIZE_TOKEN_FILE"):
             env.pop(k, None)  # the run's key is all the serving process needs

@@ -14,7 +14,7 @@ import pytest
 from remote_run import HERE, env
 
 RUNS = HERE / "secret_runs.py"
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user (root only)")
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user (root only)")
 
 
 def _target(tmp_path):
@@ -49,6 +49,7 @@ def _finish(proc, go):
     return stdout, stderr
 
 
+@as_root
 def test_another_user_cannot_join_through_the_rendezvous_and_the_run_goes_on(tmp_path):
     proc, ready, go = _target(tmp_path)
     try:
@@ -61,6 +62,7 @@ def test_another_user_cannot_join_through_the_rendezvous_and_the_run_goes_on(tmp
     assert stderr.count("refused a join from 127.0.0.1:") == 1, stderr[-3000:]
 
 
+@as_root
 @pytest.mark.parametrize("who", ["coordinator", "worker"])
 def test_another_user_reaching_a_listener_directly_runs_nothing(tmp_path, who):
     proc, ready, go = _target(tmp_path)
@@ -78,3 +80,19 @@ def test_another_user_reaching_a_listener_directly_runs_nothing(tmp_path, who):
     # by name, with no pickle to seal; a stranger reaching a listener still runs them
     assert got["builtin"] == "tensor([2., 2.])"
     assert got["from_file"] == "tensor([115, 101,  99, 114, 101, 116], dtype=torch.uint8)"
+
+
+def _listening_addrs(out):
+    return {a for line in out.splitlines() if line.startswith("LISTENS")
+            for a in line.split()[2:]}
+
+
+def test_tp_socket_ifname_never_widens_a_loopback_run(tmp_path):
+    wide = next(n for _, n in __import__("socket").if_nameindex() if not n.startswith("lo"))
+    r = subprocess.run([sys.executable, str(HERE / "remote_scripts.py"), "loopback_only"],
+                       env={**env(), "TP_SOCKET_IFNAME": wide}, cwd=tmp_path,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    addrs = _listening_addrs(r.stdout)
+    assert addrs and addrs <= {"0100007F", "00000000000000000000000001000000"}, r.stdout
+    assert f"TP_SOCKET_IFNAME={wide} is not used" in r.stderr

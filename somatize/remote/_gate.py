@@ -185,3 +185,24 @@ class GatedStore(dist.Store):
 
 def _bytes(v) -> bytes:
     return v.encode() if isinstance(v, str) else bytes(v)
+
+
+def main() -> None:
+    """A gate in a process of its own (``python -m somatize.remote._gate HOST TIMEOUT``,
+    the key in ``SOMATIZE_RUN_KEY``): for torchrun's rank 0, whose agent waits for the
+    other ranks inside C++ holding the GIL, so that a gate in its own process would
+    never answer them. Prints its port; exits when its stdin closes."""
+    import os
+    import sys
+
+    from ._secret import RUN_KEY_ENV
+
+    logging.basicConfig(level=logging.WARNING, format="somatize rendezvous: %(message)s")
+    gate = Gate(sys.argv[1], bytes.fromhex(os.environ.pop(RUN_KEY_ENV)), float(sys.argv[2]))
+    print(gate.port, flush=True)
+    while os.read(0, 1 << 12):  # rank 0 holds our stdin while it lives
+        pass
+
+
+if __name__ == "__main__":
+    main()

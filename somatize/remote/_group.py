@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 
 from .._errors import WorkerError
 from . import _membership, _sealed, _secret
-from ._settings import COORDINATOR, _started, backend_options, loopback, loopback_iface, settings
+from ._settings import (COORDINATOR, _started, backend_options, keep_on_loopback, loopback,
+                        settings)
 from ._spawn import ask_daemon, spawn, warm
 from ._worker import Worker
 
@@ -81,12 +82,16 @@ class Group:
             import torch.distributed.rpc as rpc
 
             if self.static is not None:  # torchrun: every rank is known, MASTER_* set
+                from ._torchrun import drop_key_file, rendezvous
+
+                init = rendezvous(0)  # somatize's own, gated; never torchrun's store
                 rpc.init_rpc(COORDINATOR, rank=0, world_size=self.world,
-                             rpc_backend_options=backend_options("env://", settings))
+                             rpc_backend_options=backend_options(init, settings))
+                drop_key_file()  # every rank has joined: each has read it
             else:
                 host = settings["listen"]
-                if loopback(host) and "TP_SOCKET_IFNAME" not in os.environ:
-                    os.environ["TP_SOCKET_IFNAME"] = loopback_iface()
+                if loopback(host):
+                    keep_on_loopback()
                 key = _secret.run_key()
                 _sealed.seal(key)  # before the first message: every one carries its MAC
                 self._gate = _membership.rendezvous(host, key, settings["timeout"])

@@ -48,7 +48,8 @@ def spawn(argv: list[str]) -> subprocess.Popen:
     """Start a serving process on this machine; it exits when its stdin closes. With
     ``["--warm"]`` it imports torch and waits for its arguments (``warm``)."""
     env = serving_env(dict(os.environ))
-    env["TP_SOCKET_IFNAME"] = os.environ.get("TP_SOCKET_IFNAME") or loopback_iface()
+    if loopback(settings["listen"]) or not env.get("TP_SOCKET_IFNAME"):
+        env["TP_SOCKET_IFNAME"] = loopback_iface()  # never wider than the coordinator
     # what imports here imports there: the script's directory and every path of this process
     paths = [os.path.abspath(p or os.getcwd()) for p in sys.path]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
