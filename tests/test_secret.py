@@ -17,10 +17,10 @@ RUNS = HERE / "secret_runs.py"
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user (root only)")
 
 
-def _target(tmp_path):
+def _target(tmp_path, **extra):
     ready, go = tmp_path / "ready.json", tmp_path / "go"
     proc = subprocess.Popen([sys.executable, str(RUNS), "target", str(ready), str(go)],
-                            cwd=tmp_path, env=env(), stdout=subprocess.PIPE,
+                            cwd=tmp_path, env={**env(), **extra}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 90
     while not ready.exists():
@@ -96,3 +96,34 @@ def test_tp_socket_ifname_never_widens_a_loopback_run(tmp_path):
     addrs = _listening_addrs(r.stdout)
     assert addrs and addrs <= {"0100007F", "00000000000000000000000001000000"}, r.stdout
     assert f"TP_SOCKET_IFNAME={wide} is not used" in r.stderr
+
+
+def _cmdlines() -> bytes:
+    got = b""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        for what in ("cmdline", "comm"):
+            try:
+                got += pathlib.Path(f"/proc/{pid}/{what}").read_bytes() + b"\n"
+            except OSError:
+                continue  # gone meanwhile
+    return got
+
+
+def test_the_secret_is_in_no_log_command_line_or_checkpoint(tmp_path):
+    token = "a-token-nobody-may-see-7d1e4b9c"
+    proc, ready, go = _target(tmp_path, SOMATIZE_TOKEN=token)
+    try:
+        key = bytes.fromhex(ready["key"])
+        secrets = [token.encode(), ready["key"].encode(), key]
+        seen = _cmdlines()  # every process's, the run's coordinator and worker among them
+        assert str(ready["worker_pid"]).encode() and f"{ready['worker_pid']}" in os.listdir(
+            "/proc")
+    finally:
+        stdout, stderr = _finish(proc, go)
+    ckpt = pathlib.Path(ready["ckpt"]).read_bytes()
+    assert len(ckpt) > 1000
+    for s in secrets:
+        assert s not in seen
+        assert s not in stdout.encode() + stderr.encode()
+        assert s not in ckpt
+    assert "SAME True" in stdout
