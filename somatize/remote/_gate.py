@@ -45,6 +45,7 @@ class Gate:
 
     def __init__(self, host: str, key: bytes, timeout: float):
         self.key, self.store, self.refused = key, dist.HashStore(), set()
+        self.seen: set[str] = set()  # the names of the joiners that proved the key
         self.store.set_timeout(timedelta(seconds=timeout))
         self.sock = socket.create_server((host, 0), backlog=128)
         self.port = self.sock.getsockname()[1]
@@ -118,6 +119,9 @@ class Gate:
             return b"1" if s.delete_key(key) else b"0"
         if op == b"num":
             return str(s.num_keys()).encode()
+        if op == b"hi":  # a joiner says who it is (to tell "late" from "cannot reach")
+            self.seen.add(key)
+            return b""
         raise ValueError(f"no such store operation {op[:20]!r}")
 
 
@@ -125,10 +129,12 @@ class GatedStore(dist.Store):
     """A joiner's view of the coordinator's store, through its gate (one proven
     connection per thread: a blocking ``get`` on one thread never holds up another)."""
 
-    def __init__(self, host: str, port: int, key: bytes, timeout: float):
+    def __init__(self, host: str, port: int, key: bytes, timeout: float, who: str = ""):
         super().__init__()
-        self.where, self.key, self.limit = (host, port), key, timeout
+        self.where, self.key, self.limit, self.who = (host, port), key, timeout, who
         self.local = threading.local()
+        if who:
+            self._ask(b"hi", who.encode())
 
     def _conn(self):
         c = getattr(self.local, "conn", None)

@@ -27,6 +27,7 @@ from .._errors import WorkerError
 from . import _membership, _sealed, _secret
 from ._settings import (COORDINATOR, _started, backend_options, keep_on_loopback, loopback,
                         settings)
+from ._death import why_exited
 from ._spawn import ask_daemon, spawn, warm
 from ._worker import Worker
 
@@ -55,7 +56,7 @@ class Peer:
     def why_dead(self) -> str | None:
         """Why this worker is gone (None while it may be alive)."""
         if self.dead is None and self.proc is not None and self.proc.poll() is not None:
-            self.dead = f"its process (pid {self.proc.pid}) exited with code {self.proc.returncode}"
+            self.dead = why_exited(self.proc.pid, self.proc.returncode)
         return self.dead
 
 
@@ -226,14 +227,28 @@ class Group:
                         "stderr is above"
                     )
                 if time.monotonic() - start > settings["timeout"]:
+                    why = self._late(p)
                     self.stop(p, force=True)
-                    raise WorkerError(
-                        f"worker {p.host!r} ({p.kind}) did not join the run within "
-                        f"{settings['timeout']:g} s: check that it can reach {self.join}, "
-                        "or raise somatize.remote.configure(timeout=...)"
-                    )
+                    raise WorkerError(f"worker {p.host!r} ({p.kind}) did not join the run "
+                                      f"within {settings['timeout']:g} s: {why}")
             if todo:
                 time.sleep(0.02)
+
+    def _late(self, p: Peer) -> str:
+        # not started in time, or cannot reach: the gate knows whom it has seen
+        raise_it = "or raise somatize.remote.configure(timeout=...)"
+        if p.proc is not None and _state(p.proc.pid) == "T":
+            return (f"its process (pid {p.proc.pid}) is stopped (SIGSTOP, Ctrl-Z or a "
+                    "debugger holds it) and did not start in time")
+        if self.static is None and p.name in self._gate.seen:
+            return (f"it reached the rendezvous but did not finish joining: TensorPipe "
+                    "could not connect one side to the other (set TP_SOCKET_IFNAME to an "
+                    f"interface both reach), {raise_it}")
+        if p.kind == "embedded":
+            return (f"it did not start in time (it never reached the rendezvous at "
+                    f"{self.join}: a slow start on a loaded machine?), {raise_it}")
+        return (f"it never reached the rendezvous at {self.join} from its machine: check that "
+                f"it can reach that address (configure(listen=...), a firewall), {raise_it}")
 
     def release(self, p: Peer) -> None:
         """One runtime is done with ``p``; the last one stops it (torchrun ranks stay)."""
@@ -331,6 +346,14 @@ def group() -> Group:
     if _group is None:
         _group = Group()
     return _group
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 
 
 def _threads_here() -> int:

@@ -33,12 +33,12 @@ def rendezvous(host: str, key: bytes, timeout: float):
     return gate
 
 
-def join_through(host: str, port: int, key: bytes, timeout: float) -> str:
+def join_through(host: str, port: int, key: bytes, timeout: float, who: str = "") -> str:
     """Register ``somatize://`` as the gated rendezvous at ``host:port`` (a joining
     worker); returns the init_method to hand ``init_rpc``."""
     from ._gate import GatedStore
 
-    _register(GatedStore(host, port, key, timeout))
+    _register(GatedStore(host, port, key, timeout, who))
     return f"somatize://{host}:{port}"
 
 

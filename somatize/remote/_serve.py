@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     key = _secret.given_key()  # from our environment, never from the command line
     _sealed.seal(key)
     host, _, port = args.join.removeprefix("tcp://").rpartition(":")
-    init = join_through(host, int(port), key, opts.get("timeout", 60.0))
+    init = join_through(host, int(port), key, opts.get("timeout", 60.0), args.name)
     rpc.init_rpc(args.name, rank=args.rank, world_size=None,
                  rpc_backend_options=backend_options(init, opts))
     expect_closed_pipes(opts.get("timeout", 60.0))
