@@ -3,6 +3,7 @@
     python tests/fault_runs.py oom CGROUP      # the worker, put in a small memory cgroup, overeats
     python tests/fault_runs.py killed          # the worker is sent SIGKILL by someone
     python tests/fault_runs.py stopped         # the worker is stopped (SIGSTOP) while it starts
+    python tests/fault_runs.py traceback_there # a class of this script fails over there
 
 Each prints the error the coordinator raised.
 """
@@ -18,7 +19,7 @@ import time
 import torch
 from models import Body, Head
 
-from somatize import Graph, WorkerError
+from somatize import Graph, Node, WorkerError
 from somatize.remote import configure, runtime_for
 
 
@@ -76,6 +77,54 @@ def stopped() -> None:
     g = Graph.somatize(Body().at("gpu") >> Head())
     _error(lambda: g.forward(torch.randn(5, 8)))
     done.set()
+
+
+
+
+class Faulty(Node):
+    """Defined in this script's ``__main__``: it travels by value and fails over there."""
+
+    def forward(self, x, ctx):
+        return x / undefined_name  # noqa: F821  (the line the traceback must show)
+
+
+def traceback_there() -> None:
+    g = Graph.somatize(Faulty().at("gpu") >> Head())
+    try:
+        g.forward(torch.randn(5, 8))
+    except Exception as e:
+        print("ERROR", type(e).__name__, e, flush=True)
+        print("CAUSE", e.__cause__, flush=True)
+
+
+def placed_lost() -> None:
+    """A placed module's worker killed in the middle of a Lightning fit."""
+    import lightning.pytorch as pl
+    from dropin_runs import AutoEncoder, digits, fit
+
+    from somatize.lightning import SomatizeStrategy
+
+    class Kill(pl.Callback):
+        def on_train_batch_start(self, trainer, module, batch, i):
+            if i == 1:
+                _kill_children()
+
+    model = AutoEncoder()
+    _error(lambda: fit(model, SomatizeStrategy(place={"encoder": "worker"}), digits(),
+                       max_steps=4, limit_val_batches=0,
+                       callbacks=[Kill()]))
+
+
+def _kill_children() -> None:
+    me = str(os.getpid())
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[1] == me:
+                    os.kill(int(pid), signal.SIGKILL)
+        except (OSError, IndexError):
+            continue
+    time.sleep(0.5)
 
 
 if __name__ == "__main__":

@@ -60,3 +60,15 @@ def test_a_worker_stopped_while_it_starts_is_not_said_to_be_unreachable(tmp_path
     assert "did not join the run within 10 s" in out, out
     assert "is stopped (SIGSTOP" in out, out
     assert "check that it can reach" not in out
+
+
+def test_a_traceback_over_there_shows_the_users_file_and_line(tmp_path):
+    out = _run(tmp_path, "traceback_there")
+    assert "fault_runs.py\", line" in out and "x / undefined_name" in out, out
+    assert "<dynamic-code>" not in out
+
+
+def test_a_lost_worker_on_the_placed_route_is_not_told_to_close_a_graph(tmp_path):
+    out = _run(tmp_path, "placed_lost")
+    assert "was lost" in out and "run the fit again (it starts fresh workers)" in out, out
+    assert ".close()" not in out

@@ -69,6 +69,8 @@ class DropIn:
         graph = Graph({p: Placed(m) for p, m in self.modules.items()}, [],
                       Placement(dict(place)))
         self.step = Step(graph, workers=workers)  # sends each module, as it is now, once
+        if self.step.runtime is not None:  # no graph here to close: the fit is what restarts
+            self.step.runtime.restart = "run the fit again (it starts fresh workers)"
         self.links = {p: Link(self.step, p, m, place[p], here) for p, m in self.modules.items()}
         # per (optimizer index, path): the optimizer's groups holding placed parameters,
         # with those parameters' names inside the module
