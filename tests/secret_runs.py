@@ -1,6 +1,6 @@
 """A run for tests/test_secret.py to attack, and the stranger that attacks it.
 
-    python tests/secret_runs.py target READY GO          # a run: says where it listens, waits
+    python tests/secret_runs.py target READY GO [LISTEN] # a run: says where it listens, waits
     python tests/secret_runs.py rendezvous HOST:PORT OUT  # plain torch joins through it
     python tests/secret_runs.py listener ADDR OUT        # TensorPipe straight at a listener
 
@@ -25,8 +25,12 @@ from somatize import Graph
 from somatize.remote import runtime_for
 
 
-def target(ready: str, go: str) -> None:
+def target(ready: str, go: str, listen: str = "") -> None:
+    from somatize.remote import configure
     from somatize.remote._group import group
+
+    if listen:  # opened to a network (another test host reaches it)
+        configure(listen=listen)
 
     torch.manual_seed(0)
     xs = torch.randn(5, 8)

@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 
 from .._errors import WorkerError
 from . import _membership, _sealed, _secret
-from ._settings import (COORDINATOR, _started, backend_options, keep_on_loopback, loopback,
-                        settings)
 from ._death import why_exited
+from ._settings import COORDINATOR, _started, backend_options, keep_on_loopback, loopback, settings
 from ._spawn import ask_daemon, spawn, warm
 from ._worker import Worker
 

@@ -19,8 +19,18 @@ import subprocess
 import sys
 
 from .._errors import WorkerError
-from ._secret import (RUN_KEY_ENV, TOKEN_ENV, TOKEN_FILE_ENV, Refused, prove, recv_frame,
-                      run_id, run_key, send_frame, token)
+from ._secret import (
+    RUN_KEY_ENV,
+    TOKEN_ENV,
+    TOKEN_FILE_ENV,
+    Refused,
+    prove,
+    recv_frame,
+    run_id,
+    run_key,
+    send_frame,
+    token,
+)
 from ._settings import loopback, loopback_iface, settings
 
 SERVING_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
