@@ -52,8 +52,14 @@ class Peer:
     dead: str | None = None  # why it is gone, once it is
     key: tuple = field(default=())
 
-    def why_dead(self) -> str | None:
-        """Why this worker is gone (None while it may be alive)."""
+    def why_dead(self, grace: float = 0.0) -> str | None:
+        """Why this worker is gone (None while it may be alive); ``grace``: seconds to
+        wait for a local process to end (its pipes close a moment before it is reaped)."""
+        if self.dead is None and self.proc is not None and grace > 0:
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
         if self.dead is None and self.proc is not None and self.proc.poll() is not None:
             self.dead = why_exited(self.proc.pid, self.proc.returncode)
         return self.dead

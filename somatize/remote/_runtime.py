@@ -273,8 +273,8 @@ class Runtime:
                 "its machine may be unreachable, or the call slower than that: raise its "
                 f"timeout (Worker(timeout=...)) if that is expected ({msg})"
             )
-        if dead is None:
-            dead = p.dead = f"it is unreachable ({msg})"
+        if dead is None:  # a process killed (out of memory?) is reaped just after its pipes close
+            dead = p.dead = p.why_dead(grace=2.0) or f"it is unreachable ({msg})"
         group().forget(p)
         return WorkerError(
             f"worker {p.host!r} ({p.kind}, pid {p.pid}) was lost while {what}: {dead}. "
