@@ -48,6 +48,7 @@ class Runtime(Protocol):
 
     peers: Mapping[str, Peer]  # host -> its worker, once started
     closed: bool  # True once close() ran (or Ctrl-C stopped the run)
+    restart: str  # what to do once a worker is lost (the route that runs says: a fit or a graph)
     sent: int  # bytes sent to the workers so far
     received: int  # bytes received from them so far
     waited: float  # seconds this process waited on them so far
