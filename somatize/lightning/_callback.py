@@ -69,17 +69,25 @@ class SomatizeCache(pl.Callback):
     call, a cached module whose input asks for a gradient (it comes from something that
     still trains, and a value read from the store sends none back).
 
-    Hits and misses are logged each epoch (``cache/hits``, ``cache/misses``); their
-    totals are kept in checkpoints.
+    With ``per_item=True`` each module promises that each output row depends only on its
+    input row (dim 0): its calls are answered item by item (see ``docs/per-item.md``), so
+    shuffled batches hit from the second epoch on. A layer that couples rows (BatchNorm
+    in train mode, or without running statistics) is refused at setup, naming it.
+
+    Hits and misses are logged each epoch (``cache/hits``, ``cache/misses``; in items
+    with ``per_item=True``); their totals are kept in checkpoints.
 
     Args:
         store: a directory (created if missing) or a Keeper where cached outputs are kept.
         modules: the submodules whose outputs are kept, by path.
+        per_item: keep and look up each module's output row by row (a store directory).
     """
 
-    def __init__(self, store: str | PathLike | Any, modules: Sequence[str] = ()):
+    def __init__(self, store: str | PathLike | Any, modules: Sequence[str] = (),
+                 per_item: bool = False):
         self.store = store
         self.modules = list(modules)
+        self.per_item = per_item
         self.keeper: Counting | None = None
         self.cached: dict[str, CachedForward] = {}  # by path: what each module now calls
         self.hits = 0  # totals over every epoch, resumed from checkpoints
@@ -135,12 +143,13 @@ class SomatizeCache(pl.Callback):
                 p.requires_grad_(False)
             module.eval()
             have = module.__dict__.get("forward")
-            if isinstance(have, CachedForward):  # left by an earlier fit (see _uninstall)
+            if type(have) is _forward_class(self.per_item):  # left by an earlier fit
                 have.active = True
                 have.settle()
                 self.cached[path] = have
             else:
-                self.cached[path] = CachedForward(module, path, self.store, previous=have)
+                self.cached[path] = _forward_class(self.per_item)(module, path, self.store,
+                                                                  previous=have)
                 module.forward = self.cached[path]  # an instance attribute: it pickles along
         if self.cached:
             log.info("modules %s are frozen; their outputs are kept in %s", sorted(self.cached),
@@ -230,6 +239,9 @@ class SomatizeCache(pl.Callback):
     def _counts(self) -> tuple[int, int]:
         k = self.keeper
         hits, misses = (k.hits, k.misses) if k is not None else (0, 0)
+        if self._trainer is not None and self._trainer.lightning_module is not None:
+            h, m = _item_counts(self._trainer.lightning_module)
+            hits, misses = hits + h, misses + m
         for path, cached in self.cached.items():
             h, m = self._counts_of(path, cached)
             hits, misses = hits + h, misses + m
@@ -257,6 +269,26 @@ class SomatizeCache(pl.Callback):
         if state_dict.get("store") != str(self.store):
             log.info("resuming with store %s (the checkpoint was written with %s)",
                      self.store, state_dict.get("store"))
+
+
+def _forward_class(per_item: bool) -> type[CachedForward]:
+    """What a module named by path calls: item by item, or by its whole input."""
+    if per_item:
+        from ..torch._per_item import PerItemForward
+
+        return PerItemForward
+    return CachedForward
+
+
+def _item_counts(pl_module: pl.LightningModule) -> tuple[int, int]:
+    """``(hits, misses)`` in items of the ``.mapped()`` nodes of its graphs, run here."""
+    from ..torch._per_item import mapped_counts
+
+    hits = misses = 0
+    for gm in graph_modules(pl_module):
+        h, m = mapped_counts(gm.graph)
+        hits, misses = hits + h, misses + m
+    return hits, misses
 
 
 def _placed_on(place: Mapping[str, str], path: str) -> tuple[str, str] | None:

@@ -63,6 +63,12 @@ def freeze(graph) -> Any:
             if t.is_floating_point() or t.is_complex():
                 t.requires_grad_(False)
         node._soma_digest = state_digest(node)
+    if graph.memory.mapped:
+        from ._per_item import refuse_coupled
+
+        for n in sorted(graph.memory.mapped):
+            for attr, m in modules_of(graph.catalog[n]):
+                refuse_coupled(m, f"{n}.{attr}" if attr else n)
     return graph
 
 

@@ -1,0 +1,212 @@
+"""Per-item memory on disk: a module's outputs kept row by row, many rows to a pack.
+
+    space = Items("/scratch/soma").space(module_key, {"module": "body", "class": "Enc"})
+    locs = space.lookup(keys)                          # [Loc | None], one pass
+    rows = space.read(keys, locs)                      # rows.ok[i]: row i read and checked
+    space.put(miss_keys, "F32", (512,), data, n)       # one pack, one index segment
+
+On disk, beside the store's blobs and names::
+
+    PATH/items/<module key>/module.json      who writes here (module path, class, code)
+    PATH/items/<module key>/packs/<id>.safetensors   the rows of one write
+    PATH/items/<module key>/index/<id>.seg   item key -> (pack, row, digest); see _index
+
+A module's items live under its own key (its class, state, salt, autocast): dropping
+them is removing that folder (``drop``). A hit reads its row's bytes only and checks them
+against the digest in the index; anything that does not check out is a miss, said once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .._say import say_once
+from ._index import Index, Loc
+from ._lock import Lock
+from ._packs import BadPack, Pack, row_digest, write_new, write_pack
+
+log = logging.getLogger("somatize.store")
+_OPEN_PACKS = 64
+
+
+@dataclass
+class Rows:
+    """Rows read for a batch: their dtype and shape, their bytes one after another (a
+    slot per key asked, in order), and which slots were read and checked."""
+
+    dtype: str | None
+    row: tuple[int, ...] | None
+    data: bytearray
+    ok: list[bool] = field(default_factory=list)
+
+
+class Items:
+    """The per-item part of a store directory: one ``Space`` per module key."""
+
+    def __init__(self, path: str | os.PathLike, fsync: bool = False,
+                 lock_timeout: float = 60.0):
+        self.path = Path(path)
+        self.root = self.path / "items"
+        self.fsync, self.lock_timeout = fsync, lock_timeout
+        self._spaces: dict[str, Space] = {}
+
+    def space(self, key: str, meta: Mapping[str, str] | None = None) -> Space:
+        """The items of the module named ``key`` (a hex digest)."""
+        if not (len(key) == 64 and all(c in "0123456789abcdef" for c in key)):
+            raise ValueError(f"a module key is 64 hex digits, not {key!r}")
+        if key not in self._spaces:
+            self._spaces[key] = Space(self, key, dict(meta or {}))
+        return self._spaces[key]
+
+    def keys(self) -> list[str]:
+        """The module keys that have items here."""
+        try:
+            return sorted(n for n in os.listdir(self.root) if len(n) == 64)
+        except FileNotFoundError:
+            return []
+
+    def drop(self, key: str) -> bool:
+        """Remove one module's items at once (its folder renamed away, then deleted)."""
+        folder = self.root / key
+        if not folder.is_dir():
+            return False
+        gone = self.root / f".drop-{uuid.uuid4().hex}"
+        os.rename(folder, gone)  # readers now miss all of them, never some
+        shutil.rmtree(gone, ignore_errors=True)
+        self._spaces.pop(key, None)
+        return True
+
+
+class Space:
+    """One module's items: its index and its packs."""
+
+    def __init__(self, items: Items, key: str, meta: dict[str, str]):
+        self.items, self.key, self.meta = items, key, meta
+        self.folder = items.root / key
+        self.index = Index(str(self.folder / "index"), items.fsync)
+        self._packs: OrderedDict[str, Pack | None] = OrderedDict()
+
+    # -- reading ------------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> list[Loc | None]:
+        """Each item's ``Loc``, or None for one not kept."""
+        return self.index.lookup(keys)
+
+    def read(self, keys: Sequence[bytes], locs: Sequence[Loc | None]) -> Rows:
+        """Read the rows of ``locs`` (None: skipped). A row whose pack is gone or damaged,
+        or whose bytes do not match its digest, is not ok (a miss, said once)."""
+        rows = Rows(None, None, bytearray(), [False] * len(locs))
+        by_pack: dict[str, list[int]] = {}
+        for i, loc in enumerate(locs):
+            if loc is not None:
+                by_pack.setdefault(loc.pack, []).append(i)
+        opened = [(self._pack(p), slots) for p, slots in by_pack.items()]
+        opened = [(p, s) for p, s in opened if p is not None]
+        if not opened:
+            self._trim()
+            return rows
+        first = opened[0][0]
+        rows.dtype, rows.row, rb = first.dtype, first.row, first.row_bytes
+        rows.data = bytearray(rb * len(locs))
+        view = memoryview(rows.data)
+        for pack, slots in opened:
+            if (pack.dtype, pack.row) != (rows.dtype, rows.row):
+                continue  # another shape under the same module: the caller sees a miss
+            for i in slots:
+                slot = view[i * rb:(i + 1) * rb]
+                loc = locs[i]
+                try:
+                    whole = pack.read_rows([loc.row], slot)
+                except OSError:
+                    whole = False
+                if whole and row_digest(keys[i], pack.dtype, pack.row, slot) == loc.digest:
+                    rows.ok[i] = True
+                else:
+                    say_once(("bad row", str(self.folder), loc.pack),
+                             f"store {self.items.path}: pack {pack.path} row {loc.row} does "
+                             "not match its index (cut, changed or crafted); it is a miss "
+                             "and is recomputed. `somatize store verify` names what is damaged")
+        self._trim()
+        return rows
+
+    def _pack(self, name: str) -> Pack | None:
+        if name in self._packs:
+            self._packs.move_to_end(name)
+            return self._packs[name]
+        path = str(self.folder / "packs" / f"{name}.safetensors")
+        try:
+            pack = Pack.open(path)
+        except FileNotFoundError:
+            return None  # removed by gc after a compaction dropped its rows: a miss
+        except (BadPack, OSError) as e:
+            say_once(("bad pack", path), f"store {self.items.path}: pack {path} cannot be "
+                     f"read ({e}); its rows are misses and are recomputed")
+            return None
+        self._packs[name] = pack
+        return pack
+
+    def _trim(self) -> None:
+        # after a read: the packs it used stay open until it is done
+        while len(self._packs) > _OPEN_PACKS:
+            _, old = self._packs.popitem(last=False)
+            if old is not None:
+                old.close()
+
+    # -- writing ------------------------------------------------------------------------
+    def put(self, keys: Sequence[bytes], dtype: str, row: Sequence[int], data: Any) -> bool:
+        """Keep ``len(keys)`` rows (``data``: their bytes in order) as one pack, and index
+        them; False when they cannot be kept (said once; the run goes on)."""
+        n = len(keys)
+        if n == 0:
+            return True
+        view = memoryview(data).cast("B")
+        rb = view.nbytes // n
+        try:
+            with Lock(self.items.path, self.items.lock_timeout, exclusive=False):
+                packs = self.folder / "packs"
+                if not packs.is_dir():
+                    packs.mkdir(parents=True, exist_ok=True)
+                    write_new(str(self.folder), "module.json",
+                              [json.dumps(self.meta, sort_keys=True).encode()], False)
+                name = write_pack(str(packs), dtype, row, view, n,
+                                  {**self.meta, "time": f"{time.time():.3f}"}, self.items.fsync)
+                self.index.add({k: Loc(name, i, row_digest(k, dtype, row,
+                                                           view[i * rb:(i + 1) * rb]))
+                                for i, k in enumerate(keys)})
+        except OSError as e:
+            say_once(("items write", str(self.folder), e.errno),
+                     f"store {self.items.path}: cannot keep {n} items of module "
+                     f"{self.meta.get('module', self.key[:12])!r} ({e.strerror or e}). The run "
+                     "goes on without keeping them; free space or fix the directory")
+            return False
+        return True
+
+    # -- looking after it ---------------------------------------------------------------
+    def pack_names(self) -> list[str]:
+        try:
+            return sorted(n[:-len(".safetensors")] for n in os.listdir(self.folder / "packs")
+                          if n.endswith(".safetensors") and not n.startswith("."))
+        except FileNotFoundError:
+            return []
+
+    def leftovers(self) -> Iterator[Path]:
+        """Temporary files of writers that were killed (or are writing now)."""
+        for sub in ("packs", "index", ""):
+            d = self.folder / sub
+            if d.is_dir():
+                yield from (p for p in d.iterdir() if p.name.startswith(".tmp-"))
+
+    def close(self) -> None:
+        for p in self._packs.values():
+            if p is not None:
+                p.close()
+        self._packs.clear()
