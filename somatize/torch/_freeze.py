@@ -64,11 +64,10 @@ def freeze(graph) -> Any:
                 t.requires_grad_(False)
         node._soma_digest = state_digest(node)
     if graph.memory.mapped:
-        from ._per_item import refuse_coupled
+        from ._per_item import refuse_coupled_node
 
         for n in sorted(graph.memory.mapped):
-            for attr, m in modules_of(graph.catalog[n]):
-                refuse_coupled(m, f"{n}.{attr}" if attr else n)
+            refuse_coupled_node(n, graph.catalog[n])
     return graph
 
 

@@ -228,6 +228,13 @@ class PerItem:
         return out
 
 
+def refuse_coupled_node(n: str, node: Any) -> None:
+    """``refuse_coupled`` for each module a graph node holds (a wrapped module: its own)."""
+    for attr, m in modules_of(node):
+        wrapped = getattr(node, "_soma_kind", None) is not None
+        refuse_coupled(m, f"{n}.{attr}" if attr and not wrapped else n)
+
+
 def _device_of(module: Any) -> torch.device | None:
     for t in (*module.parameters(), *module.buffers()):
         return t.device
@@ -274,8 +281,7 @@ _nodes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def answer_mapped(graph, n: str, node: Any, x: Any, keeper: Any, run) -> tuple[Any, bool]:
     """The engine's ``mapped`` hole: a ``.mapped()`` node's batch, item by item."""
     modules = modules_of(node)
-    for attr, m in modules:
-        refuse_coupled(m, f"{n}.{attr}" if attr else n)
+    refuse_coupled_node(n, node)
     mine = _nodes.setdefault(node, {})
     item = mine.get(id(keeper))
     if item is None:
