@@ -148,3 +148,28 @@ def test_a_store_that_cannot_be_written_is_no_crash(tmp_path):
     sp = space_of(tmp_path)
     assert sp.put([key_of(0)], "F32", ROW, row_of(0)) is False
     assert sp.lookup([key_of(0)]) == [None]
+
+
+def test_the_store_command_lists_measures_checks_cleans_and_drops_packs(tmp_path, capsys):
+    from somatize._store_cli import main
+
+    write(tmp_path, 0, 30, 10, seed=7)
+    Items(tmp_path).space("cd" * 32, {"module": "other"}).put([key_of(1)], "F32", ROW, row_of(1))
+    assert main(["ls", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"items/{MODULE}\t30 items in 3 packs" in out and "module=writer" in out
+    assert main(["du", str(tmp_path)]) == 0
+    assert "per item: 2 modules, 31 items in 4 packs" in capsys.readouterr().out
+    assert main(["verify", str(tmp_path)]) == 0
+    sp = space_of(tmp_path)
+    path = sp.folder / "packs" / f"{sp.pack_names()[0]}.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 4
+    path.write_bytes(raw)
+    assert main(["verify", str(tmp_path)]) == 1
+    assert str(path) in capsys.readouterr().err
+    assert main(["gc", str(tmp_path)]) == 0  # nothing unnamed: every pack kept
+    assert len(sp.pack_names()) == 3
+    assert main(["drop", str(tmp_path), "writer"]) == 0
+    assert Items(tmp_path).keys() == ["cd" * 32]
+    assert main(["drop", str(tmp_path), "writer"]) == 1

@@ -138,3 +138,37 @@ def gc(items: Items, grace: float = 3600.0, dry_run: bool = False) -> tuple[int,
             removed += 1
     return removed, freed
 
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def ls_lines(path) -> list[str]:
+    """``somatize store ls``: a line per module kept per item."""
+    return [f"items/{u.key}\t{u.items} items in {u.packs} packs\t{_size(u.bytes)}\t"
+            f"module={u.module}\tclass={u.kind}" for u in spaces(Items(path))]
+
+
+def du_line(path) -> str | None:
+    """``somatize store du``: what per-item memory holds, beside the disk it takes."""
+    uses = spaces(Items(path))
+    if not uses:
+        return None
+    return (f"{path}: per item: {len(uses)} modules, {sum(u.items for u in uses)} items in "
+            f"{sum(u.packs for u in uses)} packs, {_size(sum(u.bytes for u in uses))} kept, "
+            f"{_size(sum(u.disk for u in uses))} on disk")
+
+
+def drop(path, which: str) -> list[str]:
+    """Drop the items of the modules whose key starts with ``which`` or whose path is
+    ``which``; the keys dropped."""
+    items = Items(path)
+    hit = [u.key for u in spaces(items) if u.key.startswith(which) or u.module == which]
+    for key in hit:
+        items.drop(key)
+    return hit
