@@ -61,9 +61,9 @@ def test_split_option_places_what_somatize_place_says_the_body_unless_overridden
 
 def test_cached_option_caches_the_body_by_name_and_adds_the_callback():
     cfg = config("+somatize=cached", "somatize.store=/tmp/nowhere")
-    assert not cfg.data.shuffle
+    assert cfg.data.shuffle  # shuffled: the body's outputs are kept item by item
     cb = instantiate(cfg.callbacks.somatize_cache)
-    assert cb.store == "/tmp/nowhere" and list(cb.modules) == ["body"]
+    assert cb.store == "/tmp/nowhere" and list(cb.modules) == ["body"] and cb.per_item
     assert list(instantiate(config("+somatize=cached", "somatize.cache=[head]")
                             .callbacks.somatize_cache).modules) == ["head"]
 
