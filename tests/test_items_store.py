@@ -67,9 +67,25 @@ def test_a_flipped_bit_in_a_pack_is_a_miss_and_verify_names_the_pack(tmp_path):
     raw = bytearray(path.read_bytes())
     raw[-1] ^= 1  # the last row's last byte
     path.write_bytes(raw)
-    assert len(missing(tmp_path, 0, 20)) == 1
-    [problem] = verify(Items(tmp_path))
-    assert str(path) in problem and "does not match its digest" in problem
+    assert missing(tmp_path, 0, 20) == list(range(20))  # the pack is checked whole
+    problems = verify(Items(tmp_path))
+    assert len(problems) == 2 and all(str(path) in p for p in problems)
+    assert "do not match its digest" in problems[0] and "row 19" in problems[1]
+
+
+def test_a_pack_changed_after_it_was_checked_is_checked_again(tmp_path):
+    write(tmp_path, 0, 20, 20, seed=3)
+    sp = space_of(tmp_path)
+    assert missing(tmp_path, 0, 20) == []
+    keys = [key_of(i) for i in range(20)]
+    assert all(sp.read(keys, sp.lookup(keys)).ok)  # checked and held by this reader
+    path = sp.folder / "packs" / f"{sp.pack_names()[0]}.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-40] ^= 8
+    tmp = path.with_name("x")
+    tmp.write_bytes(raw)
+    os.replace(tmp, path)  # a new file identity
+    assert not any(sp.read(keys, sp.lookup(keys)).ok)
 
 
 def test_a_crafted_pack_header_pointing_past_its_file_is_a_miss(tmp_path):
@@ -79,8 +95,9 @@ def test_a_crafted_pack_header_pointing_past_its_file_is_a_miss(tmp_path):
     path = sp.folder / "packs" / f"{pack}.safetensors"
     raw = path.read_bytes()
     hlen = struct.unpack("<Q", raw[:8])[0]
-    head = raw[8:8 + hlen].replace(b'"shape":[20,8]', b'"shape":[90,8]').replace(
-        b'"data_offsets":[0,640]', b'"data_offsets":[0,2880]')
+    head = raw[8:8 + hlen].replace(b'"shape":[20,8],"data_offsets":[320,960]',
+                                   b'"shape":[90,8],"data_offsets":[320,3200]')
+    assert head != raw[8:8 + hlen]
     path.write_bytes(raw[:8] + head + raw[8 + hlen:])
     assert missing(tmp_path, 0, 20) == list(range(20))
     assert any("do not hold" in p for p in verify(Items(tmp_path)))

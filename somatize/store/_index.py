@@ -24,6 +24,7 @@ import logging
 import os
 import struct
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from itertools import repeat
 from typing import NamedTuple
 
 from blake3 import blake3
@@ -152,7 +153,7 @@ class Index:
     def __init__(self, folder: str, fsync: bool = False):
         self.folder, self.fsync = folder, fsync
         self.segments: dict[str, Segment | None] = {}  # by file name; None: unreadable
-        self.small: dict[bytes, Loc] = {}
+        self.small: dict[bytes, tuple[Segment, int]] = {}  # key -> its segment, record
         self.big: list[Segment] = []
 
     def refresh(self) -> None:
@@ -178,9 +179,10 @@ class Index:
         else:
             todo = [self.segments[n] for n in new]
             todo = [s for s in todo if s is not None and s.n <= SMALL]
-        for s in todo:
-            for k, loc in s.records():
-                self.small.setdefault(k, loc)
+        for s in todo:  # built in C: a refresh after a compaction re-reads thousands
+            ks = s.keys
+            self.small.update(zip((ks[i * KEY:(i + 1) * KEY] for i in range(s.n)),
+                                  zip(repeat(s), range(s.n)), strict=True))
         if gone or new:
             self.big = [s for s in self.segments.values() if s is not None and s.n > SMALL]
 
@@ -203,7 +205,8 @@ class Index:
         small, big = self.small, self.big
         out = []
         for k in keys:
-            loc = small.get(k)
+            at = small.get(k)
+            loc = at[0].loc(at[1]) if at is not None else None
             if loc is None:
                 for s in big:
                     loc = s.find(k)

@@ -12,8 +12,10 @@ On disk, beside the store's blobs and names::
     PATH/items/<module key>/index/<id>.seg   item key -> (pack, row, digest); see _index
 
 A module's items live under its own key (its class, state, salt, autocast): dropping
-them is removing that folder (``drop``). A hit reads its row's bytes only and checks them
-against the digest in the index; anything that does not check out is a miss, said once.
+them is removing that folder (``drop``). A hit reads its row from a pack checked whole
+once per file identity (see _packs), and only if the pack holds it for that item's key;
+anything that does not check out is a miss, said once. The index also holds a digest
+per row, which ``verify`` checks.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from ._lock import Lock
 from ._packs import BadPack, Pack, row_digest, write_new, write_pack
 
 log = logging.getLogger("somatize.store")
-_OPEN_PACKS = 64
+_OPEN_PACKS = 256
+_HOLD = 256 << 20  # bytes of checked rows held in memory, per module
+_HOLD_PACK = 64 << 20  # a bigger pack is checked, then read row by row
 
 
 @dataclass
@@ -94,7 +98,8 @@ class Space:
         self.items, self.key, self.meta = items, key, meta
         self.folder = items.root / key
         self.index = Index(str(self.folder / "index"), items.fsync)
-        self._packs: OrderedDict[str, Pack | None] = OrderedDict()
+        self._packs: OrderedDict[str, Pack] = OrderedDict()
+        self._pack_dir = str(self.folder / "packs")
 
     # -- reading ------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> list[Loc | None]:
@@ -121,28 +126,43 @@ class Space:
         for pack, slots in opened:
             if (pack.dtype, pack.row) != (rows.dtype, rows.row):
                 continue  # another shape under the same module: the caller sees a miss
+            try:
+                whole = pack.check(hold=pack.n * pack.row_bytes <= _HOLD_PACK)
+            except OSError:
+                whole = False
+            if not whole:
+                say_once(("bad pack", pack.path, pack.identity),
+                         f"store {self.items.path}: pack {pack.path} does not match its digest "
+                         "(cut, changed or crafted); its rows are misses and are recomputed. "
+                         "`somatize store verify` names what is damaged")
+                continue
             for i in slots:
-                slot = view[i * rb:(i + 1) * rb]
-                loc = locs[i]
                 try:
-                    whole = pack.read_rows([loc.row], slot)
+                    ok = pack.read_row(locs[i].row, keys[i], view[i * rb:(i + 1) * rb])
                 except OSError:
-                    whole = False
-                if whole and row_digest(keys[i], pack.dtype, pack.row, slot) == loc.digest:
-                    rows.ok[i] = True
-                else:
-                    say_once(("bad row", str(self.folder), loc.pack),
-                             f"store {self.items.path}: pack {pack.path} row {loc.row} does "
-                             "not match its index (cut, changed or crafted); it is a miss "
-                             "and is recomputed. `somatize store verify` names what is damaged")
+                    ok = False
+                rows.ok[i] = ok
+                if not ok:
+                    say_once(("bad row", pack.path),
+                             f"store {self.items.path}: the index sends an item to row "
+                             f"{locs[i].row} of pack {pack.path}, which is not that item's "
+                             "(a crafted or damaged index); it is a miss and is recomputed")
         self._trim()
         return rows
 
     def _pack(self, name: str) -> Pack | None:
-        if name in self._packs:
-            self._packs.move_to_end(name)
-            return self._packs[name]
-        path = str(self.folder / "packs" / f"{name}.safetensors")
+        path = f"{self._pack_dir}{os.sep}{name}.safetensors"  # str: pathlib costs per batch
+        pack = self._packs.get(name)
+        if pack is not None:
+            try:
+                st = os.stat(path)
+                same = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) == pack.identity
+            except OSError:
+                same = False
+            if same:
+                self._packs.move_to_end(name)
+                return pack
+            self._packs.pop(name).close()  # changed or gone: opened and checked again
         try:
             pack = Pack.open(path)
         except FileNotFoundError:
@@ -156,10 +176,11 @@ class Space:
 
     def _trim(self) -> None:
         # after a read: the packs it used stay open until it is done
-        while len(self._packs) > _OPEN_PACKS:
+        held = sum(p.held() for p in self._packs.values())
+        while self._packs and (len(self._packs) > _OPEN_PACKS or held > _HOLD):
             _, old = self._packs.popitem(last=False)
-            if old is not None:
-                old.close()
+            held -= old.held()
+            old.close()
 
     # -- writing ------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], dtype: str, row: Sequence[int], data: Any) -> bool:
@@ -177,7 +198,7 @@ class Space:
                     packs.mkdir(parents=True, exist_ok=True)
                     write_new(str(self.folder), "module.json",
                               [json.dumps(self.meta, sort_keys=True).encode()], False)
-                name = write_pack(str(packs), dtype, row, view, n,
+                name = write_pack(str(packs), keys, dtype, row, view,
                                   {**self.meta, "time": f"{time.time():.3f}"}, self.items.fsync)
                 self.index.add({k: Loc(name, i, row_digest(k, dtype, row,
                                                            view[i * rb:(i + 1) * rb]))
@@ -207,6 +228,5 @@ class Space:
 
     def close(self) -> None:
         for p in self._packs.values():
-            if p is not None:
-                p.close()
+            p.close()
         self._packs.clear()

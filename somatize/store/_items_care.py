@@ -85,19 +85,20 @@ def verify(items: Items) -> list[str]:
                 path = sp.folder / "packs" / f"{loc.pack}.safetensors"
                 try:
                     packs[loc.pack] = Pack.open(str(path))
+                    if not packs[loc.pack].check(hold=False):
+                        problems.append(f"damaged: pack {path}: its bytes do not match its "
+                                        "digest. Delete it (its items are recomputed)")
                 except (BadPack, OSError) as e:
                     packs[loc.pack] = None
-                    problems.append(f"damaged: pack {path}: {e}. Delete it and the index "
-                                    f"segments of {sp.folder / 'index'} (its items are "
+                    problems.append(f"damaged: pack {path}: {e}. Delete it (its items are "
                                     "recomputed)")
             pack = packs[loc.pack]
             if pack is None:
                 continue
-            buf = bytearray(pack.row_bytes)
-            if not pack.read_rows([loc.row], memoryview(buf)) or \
-                    row_digest(k, pack.dtype, pack.row, buf) != loc.digest:
+            if row_digest(k, pack.dtype, pack.row, pack.raw_row(loc.row)) != loc.digest:
                 problems.append(f"damaged: pack {pack.path} row {loc.row} does not match its "
-                                "digest. Delete the pack (its items are recomputed)")
+                                "digest in the index. Delete the pack (its items are "
+                                "recomputed)")
         for p in packs.values():
             if p is not None:
                 p.close()

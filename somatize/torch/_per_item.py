@@ -9,11 +9,11 @@ of the module's own output.
     item = PerItem("body", "Encoder", "/scratch/soma")
     y = item(x, lambda sub: encoder(sub), state=digest)   # item.hits, item.misses
 
-    key(item) = BLAKE3-derive-key("somatize per-item key v1",
-                                  module key | row dtype and shape | the row's bytes)[:16]
+    key(item) = BLAKE3-keyed(k, the row's bytes)[:16]
+    k = BLAKE3-derive-key(CONTEXT, module key | the rows' dtype and shape)
     module key = H("items", class, state digest, salt, autocast state)
 
-The derive-key context keeps item keys apart from whole-value keys (plain BLAKE3 over
+Keyed and derive-key modes keep item keys apart from whole-value keys (plain BLAKE3 over
 length-prefixed pieces): no row can be named like a whole value.
 """
 
@@ -92,19 +92,15 @@ def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
         x = x.cpu()
     x = x.contiguous()
     n = x.shape[0]
-    base = blake3(derive_key_context=CONTEXT)
-    base.update(bytes.fromhex(mkey))
-    base.update(f"{x.dtype}{list(x.shape[1:])}".encode())
     if n == 0:
         return []
+    # a key of its own per module and row layout, derived under our context: each row is
+    # then one keyed BLAKE3 call (a mode no whole-value key uses)
+    key = blake3(bytes.fromhex(mkey) + f"{x.dtype}{list(x.shape[1:])}".encode(),
+                 derive_key_context=CONTEXT).digest()
     raw = memoryview(x.reshape(n, -1).view(torch.uint8).numpy()).cast("B")
     rb = raw.nbytes // n
-    keys = []
-    for i in range(n):
-        h = base.copy()
-        h.update(raw[i * rb:(i + 1) * rb])
-        keys.append(h.digest(16))
-    return keys
+    return [blake3(raw[i * rb:(i + 1) * rb], key=key).digest(16) for i in range(n)]
 
 
 def items_of(store: Any) -> Items | None:
