@@ -185,3 +185,19 @@ def test_item_keys_are_kept_apart_from_whole_value_keys_and_name_the_module():
     outside = module_key("Enc", "s", None)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert module_key("Enc", "s", None) != outside  # the autocast state is in the name
+
+
+def test_items_made_by_other_code_are_used_and_said_once(tmp_path, caplog):
+    import json
+
+    from somatize._say import forget
+
+    forget()
+    x = torch.rand(4, 3)
+    old = json.dumps({"Enc.forward": "a"})
+    PerItem("body", "Enc", str(tmp_path))(x, lambda v: v * 2, None, {"fingerprint": old})
+    item = PerItem("body", "Enc", str(tmp_path))
+    got, ran = item(x, lambda v: v * 3, None, {"fingerprint": json.dumps({"Enc.forward": "b"})})
+    assert not ran and torch.equal(got, x * 2)  # the name holds no code: kept rows are used
+    assert "'body' (Enc): the items kept under its name were produced by different code " \
+           "(Enc.forward changed since)" in caplog.text

@@ -182,6 +182,15 @@ class Space:
             held -= old.held()
             old.close()
 
+    def written_meta(self) -> dict[str, str]:
+        """What the first writer of these items wrote beside them (``module.json``)."""
+        try:
+            with open(self.folder / "module.json", "rb") as f:
+                got = json.loads(f.read())
+            return {str(k): str(v) for k, v in got.items()} if isinstance(got, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
     # -- writing ------------------------------------------------------------------------
     def put(self, keys: Sequence[bytes], dtype: str, row: Sequence[int], data: Any) -> bool:
         """Keep ``len(keys)`` rows (``data``: their bytes in order) as one pack, and index

@@ -19,6 +19,7 @@ length-prefixed pieces): no row can be named like a whole value.
 
 from __future__ import annotations
 
+import json
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -27,10 +28,11 @@ import torch
 from blake3 import blake3
 
 from .._errors import Refused
-from .._keys import digest
+from .._keys import changed, digest
 from .._memory import state_digest
 from .._naming import _fingerprint_of
 from .._node import kind_of
+from .._say import say_once
 from .._values import Opaque, bare
 from ..store._items import Items, Space
 from ._cached import CachedForward, _refuse_trained_input
@@ -136,16 +138,22 @@ class PerItem:
         self.row: tuple[int, ...] | None = None  # the trailing shape of its output rows
         self.device: torch.device | None = None  # where its output lands
         self._items: Items | None = None
+        self._code_seen: set[str] = set()
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_items": None}
+        return {**self.__dict__, "_items": None, "_code_seen": set()}
 
     def space(self, state: str | None, meta: dict[str, str]) -> Space | None:
         if self._items is None:
             self._items = items_of(self.store)
         if self._items is None:
             return None
-        return self._items.space(module_key(self.kind, state, self.salt), meta)
+        space = self._items.space(module_key(self.kind, state, self.salt), meta)
+        if space.key not in self._code_seen:  # once per module key in this process
+            self._code_seen.add(space.key)
+            _check_code(self.name, self.kind, space.written_meta().get("fingerprint"),
+                        meta.get("fingerprint"))
+        return space
 
     def __call__(self, x: Any, run: Callable[[torch.Tensor], Any], state: str | None,
                  meta: dict[str, str], device: torch.device | None = None) -> tuple[Any, bool]:
@@ -229,6 +237,22 @@ def refuse_coupled_node(n: str, node: Any) -> None:
     for attr, m in modules_of(node):
         wrapped = getattr(node, "_soma_kind", None) is not None
         refuse_coupled(m, f"{n}.{attr}" if attr and not wrapped else n)
+
+
+def _check_code(name: str, kind: str, then: str | None, now: str | None) -> None:
+    """Say once when the items kept under a module's name were made by other code."""
+    if then is None or now is None or then == now:
+        return
+    try:
+        diff = changed(json.loads(then), json.loads(now))
+    except ValueError:
+        diff = ["(unreadable)"]
+    if diff:
+        say_once(("per-item code", name, tuple(diff)),
+                 f"{name!r} ({kind}): the items kept under its name were produced by different "
+                 f"code ({', '.join(diff)} changed since). They are used anyway: the code is "
+                 "not part of the name. If the change alters what it produces, give it a salt "
+                 "(.cached(salt='v2')) or another store")
 
 
 def _device_of(module: Any) -> torch.device | None:
