@@ -50,7 +50,7 @@ def missing(store, first: int, last: int) -> list[int]:
     out = []
     for n, i in enumerate(ids):
         if rows.ok[n]:
-            assert bytes(rows.data[n * 32:(n + 1) * 32]) == row_of(i), f"item {i}: wrong row"
+            assert rows.slot(n) == row_of(i), f"item {i}: wrong row"
         else:
             out.append(i)
     return out

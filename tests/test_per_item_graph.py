@@ -136,6 +136,9 @@ def test_a_layer_that_couples_rows_is_refused_at_setup_naming_it(tmp_path):
     with pytest.raises(Refused, match=r"'normed' is kept per item, but its layer 'normed.norm'"):
         freeze(g)
     PerItemForward(Normed().eval(), "body", str(tmp_path))  # running statistics: row by row
+    with pytest.raises(Refused, match="module 'body' is kept per item, which needs a store "
+                                      "directory .*not a dict"):
+        PerItemForward(Normed().eval(), "body", {})
 
 
 def test_outputs_that_are_not_rows_of_the_batch_are_refused_at_the_batch_that_shows_it(tmp_path):

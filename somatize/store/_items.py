@@ -45,13 +45,25 @@ _HOLD_PACK = 64 << 20  # a bigger pack is checked, then read row by row
 
 @dataclass
 class Rows:
-    """Rows read for a batch: their dtype and shape, their bytes one after another (a
-    slot per key asked, in order), and which slots were read and checked."""
+    """Rows found for a batch: their dtype and shape, which slots (keys asked, in order)
+    were found and checked, and where their bytes are: ``parts``, each ``(buffer, slots,
+    rows)``, slot ``slots[j]`` being row ``rows[j]`` of the buffer (a pack's rows held in
+    memory, or rows read for this batch), so a caller gathers a pack's rows at once."""
 
     dtype: str | None
     row: tuple[int, ...] | None
-    data: bytearray
-    ok: list[bool] = field(default_factory=list)
+    ok: list[bool]
+    parts: list[tuple[Any, list[int], list[int]]] = field(default_factory=list)
+    row_bytes: int = 0
+
+    def slot(self, i: int) -> bytes:
+        """The bytes found for slot ``i`` (for tests and tools; a copy)."""
+        rb = self.row_bytes
+        for buf, slots, rows in self.parts:
+            if i in slots:
+                r = rows[slots.index(i)]
+                return bytes(memoryview(buf)[r * rb:(r + 1) * rb])
+        raise KeyError(i)
 
 
 class Items:
@@ -107,24 +119,20 @@ class Space:
         return self.index.lookup(keys)
 
     def read(self, keys: Sequence[bytes], locs: Sequence[Loc | None]) -> Rows:
-        """Read the rows of ``locs`` (None: skipped). A row whose pack is gone or damaged,
-        or whose bytes do not match its digest, is not ok (a miss, said once)."""
-        rows = Rows(None, None, bytearray(), [False] * len(locs))
+        """Find the rows of ``locs`` (None: skipped). A row whose pack is gone, damaged or
+        holds another key at that row is not ok (a miss, said once)."""
+        rows = Rows(None, None, [False] * len(locs))
         by_pack: dict[str, list[int]] = {}
         for i, loc in enumerate(locs):
             if loc is not None:
                 by_pack.setdefault(loc.pack, []).append(i)
-        opened = [(self._pack(p), slots) for p, slots in by_pack.items()]
-        opened = [(p, s) for p, s in opened if p is not None]
-        if not opened:
-            self._trim()
-            return rows
-        first = opened[0][0]
-        rows.dtype, rows.row, rb = first.dtype, first.row, first.row_bytes
-        rows.data = bytearray(rb * len(locs))
-        view = memoryview(rows.data)
-        for pack, slots in opened:
-            if (pack.dtype, pack.row) != (rows.dtype, rows.row):
+        for name, slots in by_pack.items():
+            pack = self._pack(name)
+            if pack is None:
+                continue
+            if rows.dtype is None:
+                rows.dtype, rows.row, rows.row_bytes = pack.dtype, pack.row, pack.row_bytes
+            elif (pack.dtype, pack.row) != (rows.dtype, rows.row):
                 continue  # another shape under the same module: the caller sees a miss
             try:
                 whole = pack.check(hold=pack.n * pack.row_bytes <= _HOLD_PACK)
@@ -136,17 +144,26 @@ class Space:
                          "(cut, changed or crafted); its rows are misses and are recomputed. "
                          "`somatize store verify` names what is damaged")
                 continue
-            for i in slots:
+            good = [(i, locs[i].row) for i in slots if pack.holds(locs[i].row, keys[i])]
+            if len(good) < len(slots):
+                say_once(("bad row", pack.path),
+                         f"store {self.items.path}: the index sends an item to a row of pack "
+                         f"{pack.path} that is not that item's (a crafted or damaged index); "
+                         "it is a miss and is recomputed")
+            if not good:
+                continue
+            if pack.rows is not None:
+                buf, at = pack.rows, [r for _, r in good]
+            else:
                 try:
-                    ok = pack.read_row(locs[i].row, keys[i], view[i * rb:(i + 1) * rb])
+                    buf, at = pack.read_rows([r for _, r in good]), list(range(len(good)))
                 except OSError:
-                    ok = False
-                rows.ok[i] = ok
-                if not ok:
-                    say_once(("bad row", pack.path),
-                             f"store {self.items.path}: the index sends an item to row "
-                             f"{locs[i].row} of pack {pack.path}, which is not that item's "
-                             "(a crafted or damaged index); it is a miss and is recomputed")
+                    continue
+                if buf is None:
+                    continue
+            rows.parts.append((buf, [i for i, _ in good], at))
+            for i, _ in good:
+                rows.ok[i] = True
         self._trim()
         return rows
 

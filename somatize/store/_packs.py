@@ -3,7 +3,7 @@
     name = write_pack(folder, keys, "F32", (512,), rows_bytes, meta={"module": "body"})
     pack = Pack.open(folder / f"{name}.safetensors")    # the header read and checked
     pack.check()                                        # once per file identity
-    pack.read_row(7, key, into=memoryview(buf))         # that row, if it is key's
+    pack.holds(7, key) and pack.rows                    # row 7 is key's; the held rows
 
 A pack is a plain safetensors file holding ``keys`` (``[n, 16]`` U8: each row's item key)
 and ``rows`` (``[n, *row]``), and in its metadata the BLAKE3 of both. Opening one checks
@@ -170,17 +170,22 @@ class Pack:
         """The bytes this pack holds in memory."""
         return self.rows.nbytes if self.rows is not None else 0
 
-    def read_row(self, r: int, key: bytes, into: memoryview) -> bool:
-        """Row ``r`` into ``into``, if it is ``key``'s (the pack's own key for it)."""
-        if not self.checked or not 0 <= r < self.n or \
-                self.keys[r * KEY:(r + 1) * KEY] != key:
-            return False
+    def holds(self, r: int, key: bytes) -> bool:
+        """Whether this checked pack holds ``key``'s row at row ``r``."""
+        return bool(self.checked) and 0 <= r < self.n and \
+            self.keys[r * KEY:(r + 1) * KEY] == key
+
+    def read_rows(self, rows: Sequence[int]) -> bytearray | None:
+        """Rows ``rows`` read from the file, one after another (a pack not held);
+        None when the file is shorter than its header said."""
         rb = self.row_bytes
-        if self.rows is not None:
-            into[:rb] = self.rows[r * rb:(r + 1) * rb]
-            return True
-        at = self.start + KEY * self.n + r * rb
-        return os.preadv(self.fd, [into[:rb]], at) == rb
+        out = bytearray(rb * len(rows))
+        view = memoryview(out)
+        at = self.start + KEY * self.n
+        for j, r in enumerate(rows):
+            if os.preadv(self.fd, [view[j * rb:(j + 1) * rb]], at + r * rb) != rb:
+                return None
+        return out
 
     def raw_row(self, r: int) -> bytes:
         """Row ``r``'s bytes as they are on disk now, unchecked (for ``verify``)."""

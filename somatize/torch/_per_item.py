@@ -165,6 +165,11 @@ class PerItem:
                 "per item needs one tensor whose dim 0 is the batch. Keep it per batch "
                 "(leave out per_item=True / .mapped())")
         space = self.space(state, {"module": self.name, "class": self.kind, **meta})
+        if space is None:
+            say_once(("per item, no directory", self.name),
+                     f"{self.name!r} is kept per item, but its store "
+                     f"({type(self.store).__name__}) is not a store directory: nothing is kept "
+                     "per item. Give a directory path (store='/scratch/soma')")
         if space is None or x.shape[0] == 0:
             return run(x), True
         n = x.shape[0]
@@ -195,10 +200,9 @@ class PerItem:
             self.row = self.row if self.row is not None else rows.row
             dev = self.device or device or x.device
         result = torch.empty((n, *self.row), dtype=dtype, device=dev)
-        if hit_rows:
-            got = torch.frombuffer(rows.data, dtype=torch.uint8).view(dtype).view(n, *rows.row)
-            at = torch.tensor(hit_rows)
-            result[at.to(dev)] = got[at].to(dev)
+        for buf, slots, at in rows.parts if hit_rows else ():  # a pack's rows at once
+            src = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(-1, *rows.row)
+            result[torch.tensor(slots, device=dev)] = src[torch.tensor(at)].to(dev)
         if todo:
             where = {k: j for j, k in enumerate(keys[i] for i in todo)}
             miss = [i for i in range(n) if not ok[i]]
@@ -272,6 +276,11 @@ class PerItemForward(CachedForward):
     def __init__(self, module: torch.nn.Module, path: str, store: Any, previous: Any = None):
         refuse_coupled(module, path)
         super().__init__(module, path, store, previous)
+        if items_of(self.store) is None:
+            raise Refused(
+                f"module {path!r} is kept per item, which needs a store directory (its packs "
+                f"and index are files), not a {type(store).__name__}: give SomatizeCache "
+                "store='/scratch/soma' or a somatize.store.Store")
         self.item = PerItem(path, self.kind, self.store)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -287,8 +296,6 @@ class PerItemForward(CachedForward):
         refuse_coupled(self.module, self.path)
         if self._versions != tuple(t._version for _, t in state_of(self.module)):
             self.settle()
-        if self.item.store is not self.store:  # opened again where it landed
-            self.item.store = self.store
         out, _ = self.item(args[0], self.run, self.digest, {"fingerprint": self.code},
                            _device_of(self.module))
         self.hits, self.misses = self.item.hits, self.item.misses
