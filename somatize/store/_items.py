@@ -35,7 +35,7 @@ from typing import Any
 from .._say import say_once
 from ._index import Index, Loc
 from ._lock import Lock
-from ._packs import BadPack, Pack, row_digest, write_new, write_pack
+from ._packs import KEY, BadPack, Pack, row_digest, write_new, write_pack
 
 log = logging.getLogger("somatize.store")
 _OPEN_PACKS = 256
@@ -144,7 +144,9 @@ class Space:
                          "(cut, changed or crafted); its rows are misses and are recomputed. "
                          "`somatize store verify` names what is damaged")
                 continue
-            good = [(i, locs[i].row) for i in slots if pack.holds(locs[i].row, keys[i])]
+            kp, n = pack.keys, pack.n  # the pack's own key for each row (checked above)
+            good = [(i, r) for i in slots
+                    if 0 <= (r := locs[i].row) < n and kp[r * KEY:(r + 1) * KEY] == keys[i]]
             if len(good) < len(slots):
                 say_once(("bad row", pack.path),
                          f"store {self.items.path}: the index sends an item to a row of pack "

@@ -177,18 +177,22 @@ class PerItem:
         locs = space.lookup(keys)
         rows = space.read(keys, locs) if any(loc is not None for loc in locs) else None
         ok = rows.ok if rows is not None else [False] * n
-        first: dict[bytes, int] = {}
-        for i in range(n):
-            if not ok[i]:
-                first.setdefault(keys[i], i)
-        todo = list(first.values())
-        hit_rows = [i for i in range(n) if ok[i]]
-        self.hits += len(hit_rows)
-        self.misses += n - len(hit_rows)
+        nhit = sum(ok)
+        if nhit == n:  # the epochs after the first: no miss to sort out
+            todo: list[int] = []
+        else:
+            first: dict[bytes, int] = {}
+            for i in range(n):
+                if not ok[i]:
+                    first.setdefault(keys[i], i)
+            todo = list(first.values())
+        hit = nhit > 0
+        self.hits += nhit
+        self.misses += n - nhit
         out = None
         if todo:
             sub = x if len(todo) == n else x[torch.tensor(todo, device=x.device)]
-            out = self._checked(run(sub), len(todo), rows if hit_rows else None)
+            out = self._checked(run(sub), len(todo), rows if hit else None)
             kept = out.detach()
             kept = (kept.cpu() if kept.device.type != "cpu" else kept).contiguous()
             space.put([keys[i] for i in todo], NAMES[out.dtype], self.row,
@@ -200,7 +204,7 @@ class PerItem:
             self.row = self.row if self.row is not None else rows.row
             dev = self.device or device or x.device
         result = torch.empty((n, *self.row), dtype=dtype, device=dev)
-        for buf, slots, at in rows.parts if hit_rows else ():  # a pack's rows at once
+        for buf, slots, at in rows.parts if hit else ():  # a pack's rows at once
             src = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(-1, *rows.row)
             result[torch.tensor(slots, device=dev)] = src[torch.tensor(at)].to(dev)
         if todo:
