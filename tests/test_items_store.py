@@ -50,13 +50,13 @@ def test_segments_are_compacted_and_every_item_stays_readable(tmp_path):
     assert use.items == 400 and use.packs == 40 and use.module == "writer"
 
 
-def test_a_big_segment_is_searched_in_place_through_its_fan_out():
+def test_a_big_segment_is_found_by_its_dict_and_through_its_fan_out():
     recs = {key_of(i): Loc("0" * 32, i, b"d" * 16) for i in range(SMALL + 5)}
     seg = Segment(b"".join(encode(recs)))
     assert seg.bits == 14
     for i in (0, 17, SMALL + 4):
-        assert seg.find(key_of(i)) == Loc("0" * 32, i, b"d" * 16)
-    assert seg.find(key_of(-1)) is None
+        assert seg.find(key_of(i)) == seg.search(key_of(i)) == Loc("0" * 32, i, b"d" * 16)
+    assert seg.find(key_of(-1)) is None and seg.search(key_of(-1)) is None
 
 
 def test_a_flipped_bit_in_a_pack_is_a_miss_and_verify_names_the_pack(tmp_path):
