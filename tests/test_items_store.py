@@ -73,19 +73,20 @@ def test_a_flipped_bit_in_a_pack_is_a_miss_and_verify_names_the_pack(tmp_path):
     assert "do not match its digest" in problems[0] and "row 19" in problems[1]
 
 
-def test_a_pack_changed_after_it_was_checked_is_checked_again(tmp_path):
+def test_a_pack_changed_after_a_reader_checked_it_is_a_miss_for_a_new_reader(tmp_path):
     write(tmp_path, 0, 20, 20, seed=3)
     sp = space_of(tmp_path)
-    assert missing(tmp_path, 0, 20) == []
     keys = [key_of(i) for i in range(20)]
-    assert all(sp.read(keys, sp.lookup(keys)).ok)  # checked and held by this reader
+    assert all(sp.read(keys, sp.lookup(keys)).ok)  # checked, and its rows held
     path = sp.folder / "packs" / f"{sp.pack_names()[0]}.safetensors"
     raw = bytearray(path.read_bytes())
     raw[-40] ^= 8
     tmp = path.with_name("x")
     tmp.write_bytes(raw)
-    os.replace(tmp, path)  # a new file identity
-    assert not any(sp.read(keys, sp.lookup(keys)).ok)
+    os.replace(tmp, path)
+    got = sp.read(keys, sp.lookup(keys))  # the rows it checked, still right
+    assert all(got.ok) and [got.slot(i) for i in range(20)] == [row_of(i) for i in range(20)]
+    assert missing(tmp_path, 0, 20) == list(range(20))  # a new reader checks the new file
 
 
 def test_a_crafted_pack_header_pointing_past_its_file_is_a_miss(tmp_path):

@@ -35,12 +35,20 @@ from typing import Any
 from .._say import say_once
 from ._index import Index, Loc
 from ._lock import Lock
-from ._packs import KEY, BadPack, Pack, row_digest, write_new, write_pack
+from ._packs import ITEM_SIZE, KEY, BadPack, Pack, row_digest, write_new, write_pack
 
 log = logging.getLogger("somatize.store")
 _OPEN_PACKS = 256
 _HOLD = 256 << 20  # bytes of checked rows held in memory, per module
 _HOLD_PACK = 64 << 20  # a bigger pack is checked, then read row by row
+_CHUNK = 16 << 20  # the arena grows by chunks of this many bytes
+
+
+def _row_bytes_of(layout: tuple) -> int:
+    n = ITEM_SIZE[layout[0]]
+    for s in layout[1]:
+        n *= s
+    return n
 
 
 @dataclass
@@ -112,6 +120,12 @@ class Space:
         self.index = Index(str(self.folder / "index"), items.fsync)
         self._packs: OrderedDict[str, Pack] = OrderedDict()
         self._pack_dir = str(self.folder / "packs")
+        # the arena: rows of checked packs, by pack name -> (chunk, first row, rows, keys,
+        # layout); what it holds was checked whole when copied, so it is served as is
+        self._held: dict[str, tuple[int, int, int, bytes, tuple]] = {}
+        self._arena: list[bytearray] = []
+        self._layout: tuple | None = None
+        self._cap = self._fill = self._arena_bytes = 0
 
     # -- reading ------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> list[Loc | None]:
@@ -126,7 +140,23 @@ class Space:
         for i, loc in enumerate(locs):
             if loc is not None:
                 by_pack.setdefault(loc.pack, []).append(i)
+        chunks: dict[int, tuple[list[int], list[int]]] = {}
         for name, slots in by_pack.items():
+            if name in self._held or self._hold(name):
+                at_chunk, first, n, kp, layout = self._held[name]
+                if rows.dtype is None:
+                    rows.dtype, rows.row = layout
+                    rows.row_bytes = _row_bytes_of(layout)
+                elif layout != (rows.dtype, rows.row):
+                    continue
+                got = chunks.setdefault(at_chunk, ([], []))
+                for i in slots:
+                    r = locs[i].row
+                    if 0 <= r < n and kp[r * KEY:(r + 1) * KEY] == keys[i]:
+                        got[0].append(i)
+                        got[1].append(first + r)
+                        rows.ok[i] = True
+                continue
             pack = self._pack(name)
             if pack is None:
                 continue
@@ -166,8 +196,48 @@ class Space:
             rows.parts.append((buf, [i for i, _ in good], at))
             for i, _ in good:
                 rows.ok[i] = True
+        for c, (slots, at) in chunks.items():  # one part per chunk of held rows
+            if slots:
+                rows.parts.append((self._arena[c], slots, at))
+        if sum(rows.ok) < sum(loc is not None for loc in locs):
+            say_once(("bad row", str(self.folder)),
+                     f"store {self.items.path}: the index sends an item of "
+                     f"{self.meta.get('module', self.key[:12])!r} to a row that is not that "
+                     "item's (a crafted or damaged index, or a pack gone); it is a miss and is "
+                     "recomputed")
         self._trim()
         return rows
+
+    def _hold(self, name: str) -> bool:
+        """Open, check and copy a pack's rows into the arena (chunks of rows held in
+        memory, so a batch gathers its hits from one or two buffers); False when it
+        cannot be held (not checked out, too big, another layout, over the budget)."""
+        pack = self._pack(name)
+        if pack is None or pack.n * pack.row_bytes > _HOLD_PACK:
+            return False
+        try:
+            if not pack.check(hold=True):
+                return False  # said by read, on its own path
+        except OSError:
+            return False
+        layout, rb = (pack.dtype, pack.row), pack.row_bytes
+        if self._layout is None:
+            self._layout = layout
+        if layout != self._layout or rb == 0:
+            return False
+        if not self._arena or self._fill + pack.n > self._cap:
+            cap = max(pack.n, _CHUNK // rb)
+            if self._arena_bytes + cap * rb > _HOLD:
+                return False
+            self._arena.append(bytearray(cap * rb))
+            self._cap, self._fill = cap, 0
+            self._arena_bytes += cap * rb
+        c, first = len(self._arena) - 1, self._fill
+        memoryview(self._arena[c])[first * rb:(first + pack.n) * rb] = pack.rows
+        self._fill += pack.n
+        self._held[name] = (c, first, pack.n, pack.keys, layout)
+        self._packs.pop(name).close()  # what it holds is checked and copied: no file needed
+        return True
 
     def _pack(self, name: str) -> Pack | None:
         path = f"{self._pack_dir}{os.sep}{name}.safetensors"  # str: pathlib costs per batch
@@ -258,3 +328,6 @@ class Space:
         for p in self._packs.values():
             p.close()
         self._packs.clear()
+        self._held.clear()
+        self._arena.clear()
+        self._layout, self._cap, self._fill, self._arena_bytes = None, 0, 0, 0
