@@ -13,7 +13,8 @@ On disk, beside the store's blobs and names::
 
 A module's items live under its own key (its class, state, salt, autocast): dropping
 them is removing that folder (``drop``). A hit reads its row from a pack checked whole
-once per file identity (see _packs), and only if the pack holds it for that item's key;
+(see _packs) whose rows were then copied into this reader's arena (chunks of rows held
+in memory, bounded), and only if the pack holds that row for that item's key;
 anything that does not check out is a miss, said once. The index also holds a digest
 per row, which ``verify`` checks.
 """
