@@ -22,9 +22,19 @@ def test_the_main_job_trains_split_then_reuses_the_cached_body(tmp_path):
     assert body and head and body.group(1) != head.group(1), out[-3000:]
     accuracies = [float(a) for a in re.findall(r"accuracy on held-out digits: ([0-9.]+)", out)]
     assert len(accuracies) == 2 and all(0.1 < a <= 1.0 for a in accuracies)
-    # the cached run: epoch 2 read the body's output from the store instead of running it
-    assert re.search(r"module 'body' was called in process \d+ \(here\) \d+ times; it computed "
-                     r"its output for \d+ of those calls and read it from the store for "
-                     r"[1-9]\d*", out), out[-3000:]
-    assert "blobs" in r.stdout.splitlines()[-1]  # the store's size, last
+    # the cached run, on shuffled data: each digit's body output computed once in epoch 1
+    # and read back by its own key from epoch 2 on, in whatever batch it lands
+    said = re.search(r"module 'body' was called in process \d+ \(here\) \d+ times; it "
+                     r"computed its output for (\d+) items and read it from the store for "
+                     r"(\d+) \(per item\)", out)
+    assert said, out[-3000:]
+    epochs = re.findall(r"epoch (\d+): (\d+) cached outputs found, (\d+) computed", out)
+    assert [int(e) for e, _, _ in epochs] == [0, 1], out[-3000:]
+    (_, found0, computed0), (_, found1, computed1) = [tuple(map(int, e)) for e in epochs]
+    # epoch 1: the 256 training digits are new (the validation ones were computed by the
+    # sanity check); epoch 2: every digit, training and validation, is read from the store
+    assert computed0 == 256 and computed1 == 0 and found1 == 256 + found0, epochs
+    assert int(said.group(2)) >= found0 + found1
+    last = r.stdout.splitlines()[-1]  # the store's size, last: its packs, not a file per item
+    assert re.search(r"per item: 1 modules, \d+ items in \d+ packs", last), last
     assert (tmp_path / "job" / "split" / "checkpoints" / "last.ckpt").exists()
