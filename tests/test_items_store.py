@@ -144,7 +144,7 @@ def test_gc_keeps_a_pack_while_one_of_its_items_is_named_and_drop_removes_one_mo
     folder = sp.folder / "index"
     for n in os.listdir(folder):
         os.unlink(folder / n)
-    Index(str(folder)).add(keep)
+    Index(str(tmp_path), f"items/{MODULE}/index").add(keep)
     sp2 = space_of(tmp_path)
     sp2.put([key_of(7)], "F32", ROW, row_of(7))
     orphan = [p for p in sp2.pack_names() if p != pack][0]

@@ -1,6 +1,6 @@
 """The per-item index: item key -> (pack, row, digest), in immutable segment files.
 
-    index = Index("/scratch/soma/items/<module key>/index")
+    index = Index("/scratch/soma", "items/<module key>/index")
     index.add({key: Loc(pack, row, digest), ...})     # one new segment file
     [loc, None] = index.lookup([key, other])           # one pass over a batch's keys
 
@@ -33,6 +33,7 @@ from typing import NamedTuple
 from blake3 import blake3
 
 from .._say import say_once
+from ._files import remove_below
 from ._packs import new_name, write_new
 
 log = logging.getLogger("somatize.store")
@@ -163,8 +164,9 @@ class Segment:
 class Index:
     """The segments of one directory, read as one mapping from item key to ``Loc``."""
 
-    def __init__(self, folder: str, fsync: bool = False):
-        self.folder, self.fsync = folder, fsync
+    def __init__(self, root: str, rel: str, fsync: bool = False, shared: bool = False):
+        self.root, self.rel, self.fsync, self.shared = root, rel, fsync, shared
+        self.folder = os.path.join(root, rel)
         self.segments: dict[str, Segment | None] = {}  # by file name; None: unreadable
         self.small: dict[bytes, tuple[Segment, int]] = {}  # key -> its segment, record
         self.big: list[Segment] = []
@@ -242,8 +244,8 @@ class Index:
         """Write ``records`` as a new segment; then compact, when segments have piled up."""
         if not records:
             return
-        os.makedirs(self.folder, exist_ok=True)
-        write_new(self.folder, f"{new_name()}.seg", encode(records), self.fsync)
+        write_new(self.root, f"{self.rel}/{new_name()}.seg", encode(records), self.fsync,
+                  self.shared)
         self.refresh()
         small = [n for n, s in self.segments.items() if s is not None and s.n <= SMALL]
         big = [n for n, s in self.segments.items() if s is not None and s.n > SMALL]
@@ -262,12 +264,10 @@ class Index:
                 merged.setdefault(k, loc)
         if len(names) < 2:
             return
-        write_new(self.folder, f"{new_name()}.seg", encode(merged), self.fsync)
-        for n in names:
-            try:
-                os.unlink(os.path.join(self.folder, n))
-            except FileNotFoundError:
-                pass  # another compaction took it first: its records are in its segment
+        write_new(self.root, f"{self.rel}/{new_name()}.seg", encode(merged), self.fsync,
+                  self.shared)
+        for n in names:  # one gone already: another compaction took it, records and all
+            remove_below(self.root, f"{self.rel}/{n}")
         log.debug("index %s: %d segments compacted into one of %d records", self.folder,
                   len(names), len(merged))
         self.refresh()

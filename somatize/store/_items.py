@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from .._say import say_once
+from ._files import move_below, private_dir
 from ._index import Index, Loc
 from ._lock import Lock
 from ._packs import ITEM_SIZE, KEY, BadPack, Pack, row_digest, write_new, write_pack
@@ -79,11 +80,17 @@ class Items:
     """The per-item part of a store directory: one ``Space`` per module key."""
 
     def __init__(self, path: str | os.PathLike, fsync: bool = False,
-                 lock_timeout: float = 60.0):
+                 lock_timeout: float = 60.0, shared: bool = False):
         self.path = Path(path)
         self.root = self.path / "items"
-        self.fsync, self.lock_timeout = fsync, lock_timeout
+        self.fsync, self.lock_timeout, self.shared = fsync, lock_timeout, shared
         self._spaces: dict[str, Space] = {}
+
+    def setup(self) -> None:
+        """Make the directories a write needs (``tmp/``, ``items/``), with the store's
+        modes (what ``Lock`` asks of what it locks)."""
+        for d in ("tmp", "items"):
+            private_dir(str(self.path), d, self.shared)
 
     def space(self, key: str, meta: Mapping[str, str] | None = None) -> Space:
         """The items of the module named ``key`` (a hex digest)."""
@@ -105,9 +112,10 @@ class Items:
         folder = self.root / key
         if not folder.is_dir():
             return False
-        gone = self.root / f".drop-{uuid.uuid4().hex}"
-        os.rename(folder, gone)  # readers now miss all of them, never some
-        shutil.rmtree(gone, ignore_errors=True)
+        gone = f"items/.drop-{uuid.uuid4().hex}"
+        # readers now miss all of them, never some; a link is moved, never followed
+        move_below(str(self.path), f"items/{key}", gone, self.shared)
+        shutil.rmtree(self.path / gone, ignore_errors=True)
         self._spaces.pop(key, None)
         return True
 
@@ -118,7 +126,8 @@ class Space:
     def __init__(self, items: Items, key: str, meta: dict[str, str]):
         self.items, self.key, self.meta = items, key, meta
         self.folder = items.root / key
-        self.index = Index(str(self.folder / "index"), items.fsync)
+        self.rel = f"items/{key}"  # below the store's root
+        self.index = Index(str(items.path), f"{self.rel}/index", items.fsync, items.shared)
         self._packs: OrderedDict[str, Pack] = OrderedDict()
         self._pack_dir = str(self.folder / "packs")
         # the arena: rows of checked packs, by pack name -> (chunk, first row, rows, keys,
@@ -291,14 +300,15 @@ class Space:
         view = memoryview(data).cast("B")
         rb = view.nbytes // n
         try:
-            with Lock(self.items.path, self.items.lock_timeout, exclusive=False):
-                packs = self.folder / "packs"
-                if not packs.is_dir():
-                    packs.mkdir(parents=True, exist_ok=True)
-                    write_new(str(self.folder), "module.json",
-                              [json.dumps(self.meta, sort_keys=True).encode()], False)
-                name = write_pack(str(packs), keys, dtype, row, view,
-                                  {**self.meta, "time": f"{time.time():.3f}"}, self.items.fsync)
+            with Lock(self.items, self.items.lock_timeout, exclusive=False):
+                root, shared = str(self.items.path), self.items.shared
+                if not (self.folder / "packs").is_dir():
+                    private_dir(root, f"{self.rel}/packs", shared)
+                    write_new(root, f"{self.rel}/module.json",
+                              [json.dumps(self.meta, sort_keys=True).encode()], False, shared)
+                name = write_pack(root, f"{self.rel}/packs", keys, dtype, row, view,
+                                  {**self.meta, "time": f"{time.time():.3f}"}, self.items.fsync,
+                                  shared)
                 self.index.add({k: Loc(name, i, row_digest(k, dtype, row,
                                                            view[i * rb:(i + 1) * rb]))
                                 for i, k in enumerate(keys)})

@@ -19,6 +19,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from ._files import remove_below
 from ._index import Segment
 from ._items import Items
 from ._lock import Lock
@@ -112,7 +113,7 @@ def gc(items: Items, grace: float = 3600.0, dry_run: bool = False) -> tuple[int,
     if not items.root.is_dir():
         return 0, 0
     cutoff = time.time() - grace
-    with Lock(items.path, items.lock_timeout, exclusive=True) if not dry_run else nullcontext():
+    with Lock(items, items.lock_timeout, exclusive=True) if not dry_run else nullcontext():
         for key in items.keys():
             sp = items.space(key)
             named = {loc.pack for loc in sp.index.records().values()}
@@ -126,11 +127,9 @@ def gc(items: Items, grace: float = 3600.0, dry_run: bool = False) -> tuple[int,
                     continue
                 if st.st_mtime > cutoff:
                     continue
-                if not dry_run:
-                    try:
-                        os.unlink(p)
-                    except FileNotFoundError:
-                        continue
+                if not dry_run and not remove_below(str(items.path),
+                                                    str(p.relative_to(items.path))):
+                    continue
                 removed += 1
                 freed += st.st_size
         for p in items.root.glob(".drop-*"):  # a drop that was killed half way

@@ -1,7 +1,7 @@
 """Packs: the rows kept together by one write, in one safetensors file.
 
-    name = write_pack(folder, keys, "F32", (512,), rows_bytes, meta={"module": "body"})
-    pack = Pack.open(folder / f"{name}.safetensors")    # the header read and checked
+    name = write_pack(root, "items/<key>/packs", keys, "F32", (512,), rows, {"module": "b"})
+    pack = Pack.open(f"{root}/items/<key>/packs/{name}.safetensors")    # the header read and checked
     pack.check()                                        # once per file identity
     pack.holds(7, key) and pack.rows                    # row 7 is key's; the held rows
 
@@ -25,6 +25,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from blake3 import blake3
+
+from ._files import write_file_atomic
 
 # safetensors dtype names and their item sizes
 ITEM_SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
@@ -52,35 +54,19 @@ def new_name() -> str:
     return uuid.uuid4().hex
 
 
-# -- writing files (ONE place: the lead switches this to somatize/store/_files.py) --------
-
-def write_new(folder: str, name: str, chunks: Sequence[Any], fsync: bool) -> None:
-    """Create ``folder/name`` whole or not at all: written to a temporary file in the same
-    directory (created O_EXCL, never following a link), flushed when ``fsync``, then
-    renamed into place. A killed writer leaves at most a ``.tmp-*`` file (gc removes it)."""
-    tmp = os.path.join(folder, f".tmp-{uuid.uuid4().hex}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0),
-                 0o644)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for c in chunks:
-                f.write(c)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.rename(tmp, os.path.join(folder, name))
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+def write_new(root: str, relpath: str, chunks: Sequence[Any], fsync: bool,
+              shared: bool = False) -> None:
+    """Create ``root/relpath`` whole or not at all, through the store's one file helper
+    (``_files.write_file_atomic``): written in ``root/tmp/`` (mode 0600, 0660 in a shared
+    store; no link below the root followed), flushed when ``fsync``, then renamed into
+    place. A killed writer leaves at most a file in ``tmp/`` (the store's gc removes it)."""
+    write_file_atomic(root, relpath, chunks, shared=shared, fsync=fsync)
 
 
-def write_pack(folder: str, keys: Sequence[bytes], dtype: str, row: Sequence[int], data,
-               meta: Mapping[str, str], fsync: bool = False) -> str:
-    """Write the rows of ``keys`` (``data``: their bytes, row after row) as one new pack;
-    returns its name."""
+def write_pack(root: str, reldir: str, keys: Sequence[bytes], dtype: str, row: Sequence[int],
+               data, meta: Mapping[str, str], fsync: bool = False, shared: bool = False) -> str:
+    """Write the rows of ``keys`` (``data``: their bytes, row after row) as one new pack
+    in ``root/reldir`` (``root``: the store's); returns its name."""
     n = len(keys)
     data = memoryview(data).cast("B")
     nbytes = data.nbytes
@@ -98,7 +84,8 @@ def write_pack(folder: str, keys: Sequence[bytes], dtype: str, row: Sequence[int
     raw = json.dumps(head, separators=(",", ":")).encode()
     raw += b" " * (-(len(raw) + 8) % 64)  # the keys start 64-byte aligned
     name = new_name()
-    write_new(folder, f"{name}.safetensors", [_U64.pack(len(raw)), raw, kb, data], fsync)
+    write_new(root, f"{reldir}/{name}.safetensors", [_U64.pack(len(raw)), raw, kb, data], fsync,
+              shared)
     return name
 
 
