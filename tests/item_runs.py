@@ -13,8 +13,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
+from examples.digits import DigitsData, DigitsModel
 from somatize.lightning import SomatizeCache, SomatizeStrategy
-from somatize.lightning.digits import DigitsData, DigitsModel
 
 
 class CountingBody(nn.Module):

@@ -12,8 +12,8 @@ import sys
 import torch
 from item_runs import Reordered, computed, fit
 
+from examples.digits import DigitsData
 from somatize.lightning import SomatizeCache
-from somatize.lightning.digits import DigitsData
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
