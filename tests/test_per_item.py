@@ -44,13 +44,18 @@ def test_a_shuffled_fit_computes_each_item_once_and_trains_as_the_oracle(tmp_pat
     assert computed(tmp_path / "cached.log") == {os.getpid(): distinct_items()}
     assert (cache.hits, cache.misses) == (2 * n, n)
     with open(next(tmp_path.rglob("metrics.csv"))) as f:
-        rows = [r for r in csv.DictReader(f) if r.get("cache/hits")]
-    assert [(float(r["cache/hits"]), float(r["cache/misses"])) for r in rows] == [
-        (0, n), (n, 0), (n, 0)]
-    # a second fit on the same store, in another order, computes nothing
-    again = fit(str(tmp_path / "again.log"), data=Reordered,
+        logged = list(csv.DictReader(f))
+    # counted in items, each stage in its own names: 64 training items, 256 validation ones
+    for prefix, items in (("", 64), ("val_", 256)):
+        rows = [r for r in logged if r.get(f"cache/{prefix}hits")]
+        assert [(float(r[f"cache/{prefix}hits"]), float(r[f"cache/{prefix}misses"]))
+                for r in rows] == [(0, items), (items, 0), (items, 0)], prefix
+    # a second fit on the same store, in another order, computes nothing (the same log
+    # path: the body's attributes are settings, in the name of what it computes)
+    open(tmp_path / "cached.log", "w").close()
+    again = fit(str(tmp_path / "cached.log"), data=Reordered,
                 callbacks=[SomatizeCache(tmp_path / "store", modules=["body"], per_item=True)])
-    assert computed(tmp_path / "again.log") == {}
+    assert computed(tmp_path / "cached.log") == {}
     assert again[0] != got[0]  # another order: other losses, from the same kept rows
     assert same(again, fit(str(tmp_path / "oracle2.log"), oracle=True, data=Reordered))
 
