@@ -28,13 +28,17 @@ def test_the_main_job_trains_split_then_reuses_the_cached_body(tmp_path):
                      r"computed its output for (\d+) items and read it from the store for "
                      r"(\d+) \(per item\)", out)
     assert said, out[-3000:]
-    epochs = re.findall(r"epoch (\d+): (\d+) cached outputs found, (\d+) computed", out)
+    epochs = re.findall(r"train epoch (\d+): (\d+) cached outputs found, (\d+) computed", out)
     assert [int(e) for e, _, _ in epochs] == [0, 1], out[-3000:]
     (_, found0, computed0), (_, found1, computed1) = [tuple(map(int, e)) for e in epochs]
-    # epoch 1: the 256 training digits are new (the validation ones were computed by the
-    # sanity check); epoch 2: every digit, training and validation, is read from the store
-    assert computed0 == 256 and computed1 == 0 and found1 == 256 + found0, epochs
-    assert int(said.group(2)) >= found0 + found1
-    last = r.stdout.splitlines()[-1]  # the store's size, last: its packs, not a file per item
+    # epoch 1: the 256 training digits are new; epoch 2: every one is read from the store
+    assert (found0, computed0, found1, computed1) == (0, 256, 256, 0), epochs
+    # validation, counted apart: its digits were computed by the sanity check, then read
+    val = re.findall(r"val epoch \d+: (\d+) cached outputs found, (\d+) computed", out)
+    assert len(val) == 2 and all(int(f) > 0 and c == "0" for f, c in val), val
+    assert int(said.group(2)) >= found1 + sum(int(f) for f, _ in val)
+    # the store's size, last: on disk, then its packs (not a file per item)
+    before, last = r.stdout.splitlines()[-2:]
+    assert "blobs" in before and "on disk" in before, before
     assert re.search(r"per item: 1 modules, \d+ items in \d+ packs", last), last
     assert (tmp_path / "job" / "split" / "checkpoints" / "last.ckpt").exists()
