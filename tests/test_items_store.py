@@ -191,3 +191,27 @@ def test_the_store_command_lists_measures_checks_cleans_and_drops_packs(tmp_path
     assert main(["drop", str(tmp_path), "writer"]) == 0
     assert Items(tmp_path).keys() == ["cd" * 32]
     assert main(["drop", str(tmp_path), "writer"]) == 1
+
+
+def test_per_item_files_are_made_private_or_shared_and_never_through_a_link(tmp_path):
+    import stat
+
+    write(tmp_path / "private", 0, 40, 20, seed=8)
+    shared = Items(tmp_path / "shared", shared=True).space(MODULE, {"module": "writer"})
+    assert shared.put([key_of(1)], "F32", ROW, row_of(1))
+    for name, (dirs, files) in (("private", (0o700, 0o600)), ("shared", (0o2770, 0o660))):
+        made = list((tmp_path / name / "items").rglob("*"))
+        assert {p.suffix for p in made if p.is_file()} >= {".safetensors", ".seg", ".json"}
+        for p in made:
+            assert stat.S_IMODE(p.stat().st_mode) == (dirs if p.is_dir() else files), (name, p)
+    # a link below the root (the module's packs folder pointed elsewhere): nothing kept there
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    sp = space_of(tmp_path / "private")
+    packs = sp.folder / "packs"
+    for p in packs.iterdir():
+        p.unlink()
+    packs.rmdir()
+    packs.symlink_to(outside)
+    assert not sp.put([key_of(99)], "F32", ROW, row_of(99))  # said once; the run goes on
+    assert list(outside.iterdir()) == []
