@@ -1,4 +1,4 @@
-"""``somatize store {ls,du,verify,gc} PATH``: look inside a store, check it, clean it.
+"""``somatize store {ls,du,verify,gc,drop} PATH``: look inside a store, check it, clean it.
 
     somatize store ls /scratch/soma [PREFIX]   # names, node, class, fingerprint, size
     somatize store du /scratch/soma            # blobs, names, bytes, on disk, what gc frees

@@ -12,7 +12,6 @@ writing it; writers also hold the store's lock shared, gc holds it exclusive).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from contextlib import nullcontext

@@ -1,9 +1,9 @@
 """Packs: the rows kept together by one write, in one safetensors file.
 
     name = write_pack(root, "items/<key>/packs", keys, "F32", (512,), rows, {"module": "b"})
-    pack = Pack.open(f"{root}/items/<key>/packs/{name}.safetensors")    # the header read and checked
-    pack.check()                                        # once per file identity
-    pack.holds(7, key) and pack.rows                    # row 7 is key's; the held rows
+    pack = Pack.open(f"{root}/items/<key>/packs/{name}.safetensors")  # header checked
+    pack.check()                                      # once per file identity
+    pack.holds(7, key) and pack.rows                  # row 7 is key's; the held rows
 
 A pack is a plain safetensors file holding ``keys`` (``[n, 16]`` U8: each row's item key)
 and ``rows`` (``[n, *row]``), and in its metadata the BLAKE3 of both. Opening one checks
