@@ -46,7 +46,8 @@ def test_split_option_places_what_somatize_place_says_the_body_unless_overridden
 
     strategy = instantiate(config("+somatize=split").trainer.strategy)
     assert isinstance(strategy, SomatizeStrategy)
-    assert strategy.place == {"body": "worker"} and strategy.trains == {}  # nothing chosen: every placed module mirrors the optimizer here
+    # nothing chosen: every placed module mirrors the optimizer here
+    assert strategy.place == {"body": "worker"} and strategy.trains == {}
     for overrides, place in [
             (["~somatize.place", "+somatize.place={head: worker}"], {"head": "worker"}),
             (["somatize.place.body=gpu"], {"body": "gpu"}),
