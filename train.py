@@ -96,7 +96,10 @@ def where(trainer: pl.Trainer, model: pl.LightningModule, here: Counter) -> dict
         said[name] = ("was called in " if cached else "ran in ") + ", ".join(
             f"process {pid} ({'here' if pid == me else f'worker {placed.get(name)!r}'}) "
             f"{times} times" for pid, times in pids.items())
-        if cached:  # the example caches one module: the callback's totals are its own
+        if cached and cache.per_item:  # counted in items (rows), not calls
+            said[name] += (f"; it computed its output for {cache.misses} items and read it "
+                           f"from the store for {cache.hits} (per item)")
+        elif cached:  # the example caches one module: the callback's totals are its own
             said[name] += (f"; it computed its output for {cache.misses} of those calls and "
                            f"read it from the store for {cache.hits}")
     return said

@@ -2,6 +2,7 @@
 
     OMP_WAIT_POLICY=PASSIVE python scripts/bench_cache.py     # ~15-30 s on 2 cores
     python scripts/bench_cache.py --quick                      # fewer repeats
+    python scripts/bench_cache.py --per-item                   # per-item memory instead
 
 1. Reading a kept 64 MB value and summing it, against ``safetensors.torch.load_file`` and
    the same sum (target: >= 0.5x its speed): the first read in a process hashes the blob,
@@ -373,7 +374,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads (default 1: on a shared 2-core machine, a 2-thread op "
                         "stalls a whole time slice whenever one core is taken)")
-    args = p.parse_args(argv)
+    p.add_argument("--per-item", action="store_true",
+                   help="per-item memory instead (scripts/bench_items.py): a cached shuffled "
+                        "epoch, per-item keys, an index of 1M items")
+    args, rest = p.parse_known_args(argv)
+    if args.per_item:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from bench_items import main as per_item
+
+        return per_item(rest + (["--quick"] if args.quick else []))
     torch.set_num_threads(args.threads)
     repeats = 3 if args.quick else 7
     print(f"$ python scripts/bench_cache.py{' --quick' if args.quick else ''}"

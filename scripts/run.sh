@@ -23,4 +23,6 @@ echo "== 2/2: the head retrained over the frozen, cached body =="
 python train.py +somatize=cached hydra.run.dir="$out/cached" \
   model.body_from="$out/split/checkpoints/last.ckpt" somatize.store="$out/store" "$@"
 echo
-echo "store: $(python -m somatize store du "$out/store" | tail -n 1)"
+# the store's size: what it holds and takes on disk, then its per-item part (packs)
+echo "store:"
+python -m somatize store du "$out/store"

@@ -77,6 +77,12 @@ def _trace_collect(runtime, offsets, end=False):
     return collect(runtime, offsets, end)
 
 
+def _answer_mapped(*args):
+    from .torch._per_item import answer_mapped
+
+    return answer_mapped(*args)
+
+
 def _release(graph):
     if "somatize.remote" in sys.modules:  # nothing was started if it was never imported
         from .remote import release
@@ -86,7 +92,7 @@ def _release(graph):
 
 # the defaults that fill the core's holes, each importing its layer at first use
 _holes.adapt(_module_node)
-_holes.fill(keeper=_open_keeper, transport=_holes.Transport(
+_holes.fill(keeper=_open_keeper, mapped=_answer_mapped, transport=_holes.Transport(
     _runtime_for, _release, _trace_start, _trace_collect))
 
 

@@ -103,6 +103,7 @@ def walk(
         hits = named.hits
     shape = _shape_of(graph, order, here, wanted, hits)
     cached = shape.cached
+    mapped = graph.memory.mapped
     pid = os.getpid()
 
     def read(consumer: str, p: str) -> Any:
@@ -152,11 +153,17 @@ def walk(
                 out.hits.append(n)
                 continue
             with span(node_name(graph, n), "node"):
-                values[n] = run_node(graph.reports.get(n, n), graph.catalog[n], input_of(n),
-                                     here, training)
+                if n in mapped and keeper is not None:
+                    values[n], ran = _per_item(graph, n, input_of(n), keeper, here, training)
+                else:
+                    values[n], ran = run_node(graph.reports.get(n, n), graph.catalog[n],
+                                              input_of(n), here, training), True
+            if not ran:  # every item was kept
+                out.hits.append(n)
+                continue
             out.ran.append(n)
             out.pids[n] = pid
-            if n in cached and keeper is not None and keys.get(n):
+            if n in cached and n not in mapped and keeper is not None and keys.get(n):
                 keep(graph, keeper, n, keys[n], values[n])
         for p in pending:
             got = p.result()
@@ -166,6 +173,16 @@ def walk(
             out.hits += got.hits
             out.pids.update(got.pids)
     return out
+
+
+def _per_item(graph, n: str, x: Any, keeper: Any, here: str | None,
+              training: bool) -> tuple[Any, bool]:
+    """A ``.mapped()`` node's value, its batch answered item by item from the keeper;
+    and whether the node ran (for the misses)."""
+    node = graph.catalog[n]
+    name = graph.reports.get(n, n)
+    return _holes.mapped()(graph, n, node, x, keeper,
+                           lambda sub: run_node(name, node, sub, here, training))
 
 
 @dataclass(frozen=True)

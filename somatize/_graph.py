@@ -37,10 +37,12 @@ class Placement:
 
 @dataclass(frozen=True)
 class Memory:
-    """What is remembered: nodes declared frozen, and cached ones with their salt."""
+    """What is remembered: nodes declared frozen, cached ones with their salt, and the
+    cached ones kept item by item (``.mapped()``)."""
 
     frozen: frozenset[str] = frozenset()
     cached: Mapping[str, str | None] = field(default_factory=dict)
+    mapped: frozenset[str] = frozenset()
 
 
 class Graph:
@@ -83,7 +85,12 @@ class Graph:
         memory = Memory(
             frozen=frozenset(i for i, n in catalog.items() if n._soma_frozen),
             cached={i: n._soma_salt for i, n in catalog.items() if n._soma_cached},
+            mapped=frozenset(i for i, n in catalog.items() if n._soma_mapped),
         )
+        for i in sorted(memory.mapped - set(memory.cached)):
+            raise GraphError(f"node {i!r} is .mapped() but not .cached(): .mapped() says how "
+                             f"its output is kept (item by item). Declare it "
+                             f"{kind_of(catalog[i])}(...).frozen().cached().mapped()")
         return cls(catalog, edges, Placement(hosts), memory)
 
     # -- reading ----------------------------------------------------------------

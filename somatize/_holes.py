@@ -48,6 +48,7 @@ class Runtime(Protocol):
 
     peers: Mapping[str, Peer]  # host -> its worker, once started
     closed: bool  # True once close() ran (or Ctrl-C stopped the run)
+    restart: str  # what to do once a worker is lost (the route that runs says: a fit or a graph)
     sent: int  # bytes sent to the workers so far
     received: int  # bytes received from them so far
     waited: float  # seconds this process waited on them so far
@@ -93,12 +94,13 @@ class Transport(NamedTuple):
     trace_collect: Callable[..., list] | None = None  # (runtime, offsets, end=False)
 
 
-_filled: dict[str, Any] = {"keeper": None, "transport": None}
+_filled: dict[str, Any] = {"keeper": None, "transport": None, "mapped": None}
 _adapters: list[Callable[[Any], Any]] = []
 
 
 def fill(**holes: Any) -> None:
-    """Fill holes by name: ``keeper=`` (opens ``store=``), ``transport=`` (a Transport)."""
+    """Fill holes by name: ``keeper=`` (opens ``store=``), ``transport=`` (a Transport),
+    ``mapped=`` (answers a ``.mapped()`` node's batch item by item)."""
     unknown = set(holes) - set(_filled)
     if unknown:
         raise KeyError(f"no hole {sorted(unknown)}; the holes are {sorted(_filled)}")
@@ -130,6 +132,17 @@ def keeper(store: Any) -> Any:
 
         raise StoreError("no keeper is registered: import somatize.store to open store=")
     return opener(store)
+
+
+def mapped() -> Callable[..., Any]:
+    """What answers a ``.mapped()`` node's batch item by item: ``(graph, node id, node,
+    input, keeper, run) -> value``, ``run(sub-batch)`` running the node."""
+    m = _filled["mapped"]
+    if m is None:
+        from ._errors import StoreError
+
+        raise StoreError("nothing answers .mapped() nodes: import somatize.torch")
+    return m
 
 
 def transport() -> Transport:

@@ -68,6 +68,12 @@ def call_state(read: Callable[[], str | None]) -> None:
         _call_states.append(read)
 
 
+def state_of_call() -> str:
+    """What the state of this call adds to a key (every ``call_state`` that is on, joined;
+    empty when none is): one way to say it, for whole values and items alike."""
+    return ";".join(c for c in (read() for read in _call_states) if c)
+
+
 def key_of_node(kind: str, state: str | None, salt: str | None, preds) -> str | None:
     """The key of a node's output; ``preds`` is ``[(pred_id, key)]`` (None if unnamed).
 
@@ -78,7 +84,7 @@ def key_of_node(kind: str, state: str | None, salt: str | None, preds) -> str | 
     if any(k is None for _, k in preds):
         return None
     pieces = ["node", kind, state or "", salt or "", str(len(preds))]
-    call = ";".join(c for c in (read() for read in _call_states) if c)
+    call = state_of_call()
     if call:
         pieces[0] = "node+call"  # never the name of a key without a call
         pieces.append(call)

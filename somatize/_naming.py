@@ -57,7 +57,7 @@ def look_up(
     keys = _name(graph, order, inputs, given_keys or {})
     hits: dict[str, Any] = {}
     if keeper is not None:
-        cached = cached_here(graph, here)
+        cached = cached_here(graph, here) - graph.memory.mapped  # those are asked per item
         ask = [n for n in order if n in cached and keys.get(n)]
         if ask:
             found = keeper.get_many([f"value/{keys[n]}" for n in ask])

@@ -31,7 +31,7 @@ class Node:
     """A piece of a graph: ``forward(x, ctx)`` returns ``Done(value)``.
 
     Declarations chain and return the node: ``.at(host)``, ``.frozen()``,
-    ``.cached(salt=None)``, ``.named(id)``. Subclasses need not call
+    ``.cached(salt=None)``, ``.mapped()``, ``.named(id)``. Subclasses need not call
     ``super().__init__()``: every declaration has a class-level default.
     """
 
@@ -39,6 +39,7 @@ class Node:
     _soma_frozen: bool = False
     _soma_cached: bool = False
     _soma_salt: str | None = None
+    _soma_mapped: bool = False
     _soma_name: str | None = None
 
     def forward(self, x: Any, ctx: Ctx):
@@ -62,6 +63,12 @@ class Node:
                 "key (what the key cannot see, e.g. salt='a100-fp16'), or None")
         self._soma_cached = True
         self._soma_salt = salt
+        return self
+
+    def mapped(self) -> Node:
+        """Declare that each output row depends only on its input row (along dim 0): a
+        ``.cached()`` node is then kept and looked up item by item, so shuffled batches hit."""
+        self._soma_mapped = True
         return self
 
     def named(self, id: str) -> Node:

@@ -1,9 +1,13 @@
-"""``somatize store {ls,du,verify,gc} PATH``: look inside a store, check it, clean it.
+"""``somatize store {ls,du,verify,gc,drop} PATH``: look inside a store, check it, clean it.
 
     somatize store ls /scratch/soma [PREFIX]   # names, node, class, fingerprint, size
     somatize store du /scratch/soma            # blobs, names, bytes, on disk, what gc frees
     somatize store verify /scratch/soma        # exit 1 when a blob or a name is damaged
-    somatize store gc /scratch/soma [--dry-run]
+    somatize store gc /scratch/soma [--dry-run] [--grace SECONDS]
+    somatize store drop /scratch/soma MODULE   # one module's per-item entries, alone
+
+Per-item memory (``items/``: packs and their index) is listed, measured, checked and
+cleaned beside the names and blobs.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from pathlib import Path
 from blake3 import blake3
 
 from .store import Store
+from .store import _items_care as items
 
 
 def _size(n: float) -> str:
@@ -32,6 +37,8 @@ def _ls(store: Store, prefix: str) -> int:
         fp = blake3(fp.encode()).hexdigest()[:12] if fp else "-"
         print(f"{e.name}\t{_size(e.size)}\tnode={e.meta.get('node', '-')}\t"
               f"class={e.meta.get('class', '-')}\tcode={fp}\tblob={e.blob[:12]}")
+    for line in items.ls_lines(store.path):
+        print(line)
     return 0
 
 
@@ -47,6 +54,9 @@ def _du(store: Store) -> int:
           f"{len(entries)} names; unreferenced {len(blobs) - len(used & set(blobs))} blobs, "
           f"{_size(free)}; leftovers {len(tmp)} files, {_size(sum(tmp))} (gc frees both); "
           f"on disk {_size(on_disk)} in {files} files (whole blocks, names and all)")
+    per_item = items.du_line(store.path)
+    if per_item:
+        print(per_item)
     return 0
 
 
@@ -106,15 +116,31 @@ def _verify(store: Store) -> int:
                     print(f"damaged: name file {store.name_path(e.name)}: it says {e.size} "
                           f"bytes, blob {blob[:16]} has {on_disk[blob]}. Delete it (its value "
                           "is recomputed and named again)", file=sys.stderr)
+    for problem in items.verify(items.Items(store.path)):
+        bad += 1
+        print(problem, file=sys.stderr)
     print(f"{store.path}: {len(on_disk)} blobs, {sum(map(len, by_blob.values()))} names, "
           f"{bad} damaged")
     return 1 if bad else 0
 
 
-def _gc(store: Store, dry_run: bool) -> int:
+def _gc(store: Store, dry_run: bool, grace: float = 3600.0) -> int:
     removed, freed = store.gc(dry_run=dry_run)
+    r, f = items.gc(items.Items(store.path), grace=grace, dry_run=dry_run)
+    removed, freed = removed + r, freed + f
     print(f"{store.path}: {'would remove' if dry_run else 'removed'} {removed} files, "
           f"{_size(freed)}")
+    return 0
+
+
+def _drop(store: Store, module: str) -> int:
+    gone = items.drop(store.path, module)
+    if not gone:
+        print(f"somatize store drop: {store.path} keeps nothing per item for {module!r}; "
+              "`somatize store ls` lists what it keeps", file=sys.stderr)
+        return 1
+    print(f"{store.path}: dropped the per-item entries of {len(gone)} module keys "
+          f"({', '.join(k[:12] for k in gone)})")
     return 0
 
 
@@ -131,9 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     gc = sub.add_parser("gc", help="remove blobs no name points at (safe while in use)")
     gc.add_argument("path")
     gc.add_argument("--dry-run", action="store_true")
+    gc.add_argument("--grace", type=float, default=3600.0,
+                    help="leave packs younger than this many seconds (a writer may be "
+                         "naming them); default 3600")
+    drop = sub.add_parser("drop", help="remove one module's per-item entries")
+    drop.add_argument("path")
+    drop.add_argument("module", help="its path (as `ls` shows it) or the start of its key")
     args = parser.parse_args(argv)
     path = Path(args.path)
-    if not (path / "names").is_dir() and not (path / "blobs").is_dir():
+    if not any((path / d).is_dir() for d in ("names", "blobs", "items")):
         print(f"somatize store: no store at {path} (no names/ nor blobs/ in it); "
               "a store is created by the first g.forward(x, store=PATH) that keeps a value",
               file=sys.stderr)
@@ -146,7 +178,9 @@ def main(argv: list[str] | None = None) -> int:
             return _du(store)
         if args.cmd == "verify":
             return _verify(store)
-        return _gc(store, args.dry_run)
+        if args.cmd == "drop":
+            return _drop(store, args.module)
+        return _gc(store, args.dry_run, args.grace)
     except OSError as e:
         where = f" ({e.filename})" if e.filename else ""
         fix = ("; run it where the store is writable (or try --dry-run)" if args.cmd == "gc"

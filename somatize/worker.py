@@ -17,9 +17,14 @@ A run holds its connection to the daemon open while it lasts; the daemon ends th
 serving process when that connection ends. A coordinator that vanishes without closing
 it (its machine down, the link cut) is found by TCP keepalive: the daemon probes an idle
 connection every ``--keepalive`` seconds (10) and gives the run up after 3 unanswered
-probes, so a cut-off serving process exits within about 4x that. A request is one JSON
-line of at most 64 KB, read within 30 s; anything else is answered with an error line
-and the connection dropped.
+probes, so a cut-off serving process exits within about 4x that.
+
+Only a coordinator holding this worker's token is served (``SOMATIZE_TOKEN``, or the
+file ``SOMATIZE_TOKEN_FILE`` names; started without either, the worker makes one and
+keeps it, mode 0600, in ``~/.config/somatize/worker-<name>.token``). Both ends prove
+they hold it by challenge and response within 30 s; the coordinator then sends its run
+id, and the run's key is derived from the token and that id (docs/security.md). The
+serving process's command line is built here from checked fields of the request.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -37,26 +43,32 @@ import threading
 log = logging.getLogger(__name__)
 
 MAX_REQUEST = 64 * 1024  # bytes: a request is a few hundred; garbage must not fill memory
-REQUEST_SECONDS = 30.0  # a connection that sends no request line in time is dropped
+REQUEST_SECONDS = 30.0  # a connection that proves nothing and sends no request in time is dropped
 PROBES = 3  # unanswered keepalive probes before the run's coordinator is taken for gone
 
 
 def _serve_run(conn: socket.socket, peer, host: str, store: str | None, children: set,
-               keepalive: float) -> None:
+               keepalive: float, tok: bytes) -> None:
     # one connection is one run: its serving process lives until the run lets go of it
+    from .remote._secret import RUN_KEY_ENV, Refused, derive, prove, recv_frame, send_frame
+
     with conn:
         try:
             conn.settimeout(REQUEST_SECONDS)
-            line = conn.makefile("rb").readline(MAX_REQUEST + 1)
-            if len(line) > MAX_REQUEST:
-                raise ValueError(f"more than {MAX_REQUEST} bytes without a newline: a "
-                                 "somatize coordinator sends one short JSON line")
-            req = json.loads(line or b"{}")
-            argv = [str(a) for a in req["serve"]]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            session = prove(conn, tok, "host")
+        except (Refused, OSError) as e:
+            log.warning("refused a run from %s: %s", _at(peer), e if isinstance(e, Refused)
+                        else f"it did not prove it holds this worker's token ({e})")
+            return
+        try:
+            req = json.loads(recv_frame(conn, session, 0, MAX_REQUEST))
+            argv, run = _argv(req), req["run"]
+            if not isinstance(run, str) or not 8 <= len(run) <= 64:
+                raise ValueError("no run id")
+        except (OSError, ValueError, KeyError, TypeError, Refused) as e:
             log.warning("dropped a connection from %s: bad request: %s", _at(peer), e)
             try:
-                conn.sendall(json.dumps({"error": f"bad request: {e}"}).encode() + b"\n")
+                send_frame(conn, session, 1, json.dumps({"error": f"bad request: {e}"}).encode())
             except OSError:
                 pass
             return
@@ -68,15 +80,18 @@ def _serve_run(conn: socket.socket, peer, host: str, store: str | None, children
         from .remote._spawn import serving_env
 
         env = serving_env(dict(os.environ))  # only a process we start can have them
-        if _loopback(host) and "TP_SOCKET_IFNAME" not in env:  # listen where we were told
+        if _loopback(host):  # listen where we were told, never wider
             env["TP_SOCKET_IFNAME"] = loopback_iface()
+        for k in ("SOMATIZE_TOKEN", "SOMATIZE_TOKEN_FILE"):
+            env.pop(k, None)  # the run's key is all the serving process needs
+        env[RUN_KEY_ENV] = derive(tok, run).hex()
         proc = subprocess.Popen([sys.executable, "-m", "somatize.remote", *argv],
                                 stdin=subprocess.PIPE, env=env)
         children.add(proc)
         log.info("run joined: serving process pid %d (%s)", proc.pid, " ".join(argv[:2]))
         try:
-            conn.sendall(json.dumps({"pid": proc.pid, "keeps": store is not None}).encode()
-                         + b"\n")
+            send_frame(conn, session, 1, json.dumps({"pid": proc.pid,
+                                                     "keeps": store is not None}).encode())
             while conn.recv(1 << 12):  # the run holds the connection open while it lasts
                 pass
         except OSError as e:  # a keepalive that went unanswered, or a reset
@@ -92,6 +107,42 @@ def _serve_run(conn: socket.socket, peer, host: str, store: str | None, children
         log.info("run ended: pid %d exited with %s", proc.pid, proc.returncode)
 
 
+_NAME = re.compile(r"[A-Za-z0-9_]{1,64}")
+_JOIN = re.compile(r"tcp://[A-Za-z0-9.:\[\]-]{1,100}:[0-9]{1,5}")
+_DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:[0-9]{1,3})?")
+_OPTIONS = {"transports": list, "channels": (list, type(None)), "rpc_threads": int,
+            "timeout": (int, float)}
+
+
+def _argv(req: dict) -> list[str]:
+    """The serving process's command line, built here from checked fields: never taken
+    from the request as it came."""
+    name, rank, join = req["name"], req["rank"], req["join"]
+    threads, device, opts = req.get("threads"), req.get("device"), req.get("options", {})
+    if not (isinstance(name, str) and _NAME.fullmatch(name)):
+        raise ValueError(f"name {str(name)[:70]!r}")
+    if type(rank) is not int or not 0 < rank < 1 << 20:
+        raise ValueError(f"rank {str(rank)[:20]!r}")
+    if not (isinstance(join, str) and _JOIN.fullmatch(join)):
+        raise ValueError(f"join {str(join)[:110]!r}")
+    if threads is not None and (type(threads) is not int or not 0 < threads < 4096):
+        raise ValueError(f"threads {str(threads)[:20]!r}")
+    if device is not None and not (isinstance(device, str) and _DEVICE.fullmatch(device)):
+        raise ValueError(f"device {str(device)[:20]!r}")
+    if not isinstance(opts, dict) or set(opts) - set(_OPTIONS) or not all(
+            isinstance(v, _OPTIONS[k]) for k, v in opts.items()) or not all(
+            isinstance(t, str) and _NAME.fullmatch(t)
+            for k in ("transports", "channels") for t in (opts.get(k) or [])):
+        raise ValueError(f"options {str(opts)[:200]!r}")
+    argv = ["--name", name, "--rank", str(rank), "--join", join,
+            "--options", json.dumps(opts)]
+    if threads is not None:
+        argv += ["--threads", str(threads)]
+    if device is not None:
+        argv += ["--device", device]
+    return argv
+
+
 def _keep_alive(conn: socket.socket, every: float) -> None:
     # the run's connection is silent while the run lasts: probes are what tell a
     # coordinator that answers from one whose machine or link is gone
@@ -101,6 +152,25 @@ def _keep_alive(conn: socket.socket, every: float) -> None:
                        ("TCP_KEEPCNT", PROBES)):
         if hasattr(socket, opt):  # Linux has all three; others keep their defaults
             conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+def _token(name: str) -> bytes:
+    """This worker's token: SOMATIZE_TOKEN, the file SOMATIZE_TOKEN_FILE names, else one
+    made and kept (mode 0600) in ~/.config/somatize/worker-<name>.token."""
+    from .remote._secret import TOKEN_FILE_ENV, make_token_file, token
+
+    tok = token()
+    if tok is not None:
+        return tok
+    home = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
+    d = os.path.join(home, "somatize")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    path = os.path.join(d, f"worker-{name}.token")
+    tok = make_token_file(path)
+    log.info("no token given: this worker's token is kept in %s (mode 0600); a coordinator "
+             "needs a copy of it (mode 0600): start it with %s=<that copy>", path,
+             TOKEN_FILE_ENV)
+    return tok
 
 
 def _at(peer) -> str:
@@ -116,8 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m somatize.worker", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--name", required=True, help="the host name runs place nodes on")
-    ap.add_argument("--listen", required=True, help="HOST:PORT (loopback unless you trust "
-                    "the network: whoever connects runs code here)")
+    ap.add_argument("--listen", required=True, help="HOST:PORT (loopback, or an address on "
+                    "a private network: docs/security.md)")
     ap.add_argument("--store", default=None, help="a directory to keep what runs here")
     ap.add_argument("--keepalive", type=float, default=10.0, help="seconds between probes of "
                     f"a run's silent connection; {PROBES} unanswered end the run (default 10)")
@@ -126,6 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     host, _, port = args.listen.rpartition(":")
     if not host or not port.isdigit():
         print(f"--listen {args.listen!r}: give HOST:PORT, e.g. 127.0.0.1:7000", file=sys.stderr)
+        return 2
+    try:
+        tok = _token(args.name)
+    except Exception as e:  # a token file others may read, or none to be made
+        print(f"somatize worker {args.name}: {e}", file=sys.stderr)
         return 2
     srv = socket.create_server((host, int(port)))
     children: set[subprocess.Popen] = set()
@@ -139,10 +214,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, finish)
     log.info("listening on %s:%d", host, srv.getsockname()[1])
     if not _loopback(host):
-        log.warning("%s is not loopback: a worker runs the code it is sent, so whoever can "
-                    "connect to port %d runs code on this machine as this user. Listen only "
-                    "on a network where you trust everyone (or on 127.0.0.1 behind an SSH "
-                    "tunnel)", host, srv.getsockname()[1])
+        log.warning("%s is not loopback: only coordinators holding this worker's token "
+                    "are served, but the TensorPipe listeners of its runs answer whoever "
+                    "reaches them (torch's built-in operators run unauthenticated there). "
+                    "Listen only on a private network (WireGuard, ssh -w): docs/security.md",
+                    host)
         if "TP_SOCKET_IFNAME" not in os.environ:
             log.warning("TP_SOCKET_IFNAME is not set: set it to the interface of %s, so that "
                         "runs' serving processes listen there too", host)
@@ -152,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             break
         threading.Thread(target=_serve_run,
-                         args=(conn, peer, host, args.store, children, args.keepalive),
+                         args=(conn, peer, host, args.store, children, args.keepalive, tok),
                          daemon=True, name=f"run-{_at(peer)}").start()
     for proc in list(children):
         proc.terminate()

@@ -14,9 +14,9 @@ import torch.utils.data as tud
 from torch import nn
 from torch.nn import functional as F
 
+from examples.digits_graph import Body, Head
 from somatize import Graph
 from somatize.lightning import SomatizeStrategy
-from somatize.lightning.digits_graph import Body, Head
 from somatize.torch import GraphModule
 
 

@@ -180,7 +180,8 @@ def test_a_worker_host_cut_off_mid_run_is_a_worker_error_and_nothing_stays_runni
     assert hosts.running() == {}
 
 
-def test_a_daemon_listening_beyond_loopback_says_whoever_connects_runs_code(hosts, tmp_path):
+def test_a_daemon_listening_beyond_loopback_says_its_runs_listeners_answer_anyone(
+        hosts, tmp_path):
     b = hosts["b"]  # 0.0.0.0 inside host b: every interface there, none of this machine's
     proc = b.popen([sys.executable, "-m", "somatize.worker", "--name", "gpu", "--listen",
                     "0.0.0.0:7000"], env=env(), stderr=subprocess.PIPE, text=True)
@@ -191,7 +192,7 @@ def test_a_daemon_listening_beyond_loopback_says_whoever_connects_runs_code(host
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=30) == 0
     proc.stderr.close()
-    assert "0.0.0.0 is not loopback" in warning and "runs code on this machine" in warning
+    assert "0.0.0.0 is not loopback" in warning and "private network" in warning
 
 
 def test_hosts_left_by_a_killed_run_are_swept_and_their_processes_killed(hosts):
@@ -208,3 +209,40 @@ def test_hosts_left_by_a_killed_run_are_swept_and_their_processes_killed(hosts):
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"{PREFIX}-{gone.pid}-" not in names  # gone, with their links
     assert hosts["a"].ns in names  # a live run's hosts stay
+
+
+def test_a_stranger_on_another_host_cannot_join_an_opened_run_nor_run_a_call_in_it(
+        hosts, tmp_path):
+    # the coordinator on a listens on its network address; a stranger on c, without the
+    # run's secret, tries the rendezvous, then the coordinator's TensorPipe listener
+    from remote_run import HERE
+
+    runs = str(HERE / "secret_runs.py")
+    a, c = hosts["a"], hosts["c"]
+    ready, go = tmp_path / "ready.json", tmp_path / "go"
+    e = {k: v for k, v in env().items() if k != "SOMATIZE_TOKEN"}  # the stranger has none
+    target = a.popen([sys.executable, runs, "target", str(ready), str(go), a.addr], env=e,
+                     cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert target.poll() is None and time.monotonic() < deadline, target.communicate()
+            time.sleep(0.05)
+        got = json.loads(ready.read_text())
+        assert got["join"].startswith(f"tcp://{a.addr}:")
+        seen = {}
+        for how, where in (("rendezvous", got["join"]),
+                           ("listener", got["addrs"]["coordinator"])):
+            out = tmp_path / f"{how}.json"
+            r = c.run([sys.executable, runs, how, where, str(out)], timeout=90, env=e)
+            assert out.exists(), r.stderr[-3000:]
+            seen[how] = json.loads(out.read_text())
+            assert not Path(f"{out}.ran").exists(), how  # nothing it sent was run
+    finally:
+        go.touch()
+        stdout, stderr = target.communicate(timeout=120)
+    assert "joined" not in seen["rendezvous"] and "refused" in seen["rendezvous"]
+    assert seen["listener"]["python"].startswith("RuntimeError")
+    assert "SAME True" in stdout, stderr[-3000:]
+    assert f"refused a join from {c.addr}:" in stderr
+    assert "refused a call that does not carry this run's MAC" in stderr

@@ -46,7 +46,8 @@ def test_split_option_places_what_somatize_place_says_the_body_unless_overridden
 
     strategy = instantiate(config("+somatize=split").trainer.strategy)
     assert isinstance(strategy, SomatizeStrategy)
-    assert strategy.place == {"body": "worker"} and strategy.trains is None
+    # nothing chosen: every placed module mirrors the optimizer here
+    assert strategy.place == {"body": "worker"} and strategy.trains == {}
     for overrides, place in [
             (["~somatize.place", "+somatize.place={head: worker}"], {"head": "worker"}),
             (["somatize.place.body=gpu"], {"body": "gpu"}),
@@ -57,9 +58,9 @@ def test_split_option_places_what_somatize_place_says_the_body_unless_overridden
 
 def test_cached_option_caches_the_body_by_name_and_adds_the_callback():
     cfg = config("+somatize=cached", "somatize.store=/tmp/nowhere")
-    assert not cfg.data.shuffle
+    assert cfg.data.shuffle  # shuffled: the body's outputs are kept item by item
     cb = instantiate(cfg.callbacks.somatize_cache)
-    assert cb.store == "/tmp/nowhere" and list(cb.modules) == ["body"]
+    assert cb.store == "/tmp/nowhere" and list(cb.modules) == ["body"] and cb.per_item
     assert list(instantiate(config("+somatize=cached", "somatize.cache=[head]")
                             .callbacks.somatize_cache).modules) == ["head"]
 
@@ -99,8 +100,8 @@ def test_python_train_py_keeps_the_placed_bodys_outputs_over_there(tmp_path):
     out = train(tmp_path, "+somatize=[split,cached]", f"somatize.store={tmp_path / 'store'}",
                 "test=false")
     assert pid_of(out, "body", "worker 'worker'") != pid_of(out, "head")
-    # the validation batches kept during the sanity check were read back at epoch end
-    found = re.search(r"module 'body' was called in .*; it computed its output for (\d+) of "
-                      r"those calls and read it from the store for (\d+)", out)
+    # the validation items kept during the sanity check were read back at epoch end
+    found = re.search(r"module 'body' was called in .*; it computed its output for (\d+) "
+                      r"items and read it from the store for (\d+) \(per item\)", out)
     assert found and int(found.group(1)) >= 1 and int(found.group(2)) >= 1, out[-3000:]
-    assert any((tmp_path / "store" / "names" / "value").iterdir())
+    assert any((tmp_path / "store" / "items").rglob("packs/*.safetensors"))

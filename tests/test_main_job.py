@@ -22,9 +22,23 @@ def test_the_main_job_trains_split_then_reuses_the_cached_body(tmp_path):
     assert body and head and body.group(1) != head.group(1), out[-3000:]
     accuracies = [float(a) for a in re.findall(r"accuracy on held-out digits: ([0-9.]+)", out)]
     assert len(accuracies) == 2 and all(0.1 < a <= 1.0 for a in accuracies)
-    # the cached run: epoch 2 read the body's output from the store instead of running it
-    assert re.search(r"module 'body' was called in process \d+ \(here\) \d+ times; it computed "
-                     r"its output for \d+ of those calls and read it from the store for "
-                     r"[1-9]\d*", out), out[-3000:]
-    assert "blobs" in r.stdout.splitlines()[-1]  # the store's size, last
+    # the cached run, on shuffled data: each digit's body output computed once in epoch 1
+    # and read back by its own key from epoch 2 on, in whatever batch it lands
+    said = re.search(r"module 'body' was called in process \d+ \(here\) \d+ times; it "
+                     r"computed its output for (\d+) items and read it from the store for "
+                     r"(\d+) \(per item\)", out)
+    assert said, out[-3000:]
+    epochs = re.findall(r"train epoch (\d+): (\d+) cached outputs found, (\d+) computed", out)
+    assert [int(e) for e, _, _ in epochs] == [0, 1], out[-3000:]
+    (_, found0, computed0), (_, found1, computed1) = [tuple(map(int, e)) for e in epochs]
+    # epoch 1: the 256 training digits are new; epoch 2: every one is read from the store
+    assert (found0, computed0, found1, computed1) == (0, 256, 256, 0), epochs
+    # validation, counted apart: its digits were computed by the sanity check, then read
+    val = re.findall(r"val epoch \d+: (\d+) cached outputs found, (\d+) computed", out)
+    assert len(val) == 2 and all(int(f) > 0 and c == "0" for f, c in val), val
+    assert int(said.group(2)) >= found1 + sum(int(f) for f, _ in val)
+    # the store's size, last: on disk, then its packs (not a file per item)
+    before, last = r.stdout.splitlines()[-2:]
+    assert "blobs" in before and "on disk" in before, before
+    assert re.search(r"per item: 1 modules, \d+ items in \d+ packs", last), last
     assert (tmp_path / "job" / "split" / "checkpoints" / "last.ckpt").exists()

@@ -27,6 +27,6 @@ def test_the_readmes_first_example_places_the_backbone_then_reads_it_from_the_st
                           capture_output=True, text=True, timeout=240)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
-    # 8 batches of 64 a epoch, 3 epochs, the same batches each time: computed once, then read
-    assert "cache 16 8" in done.stdout, out[-3000:]
-    assert any((tmp_path / ".soma" / "names" / "value").iterdir())
+    # 512 rows a epoch, shuffled, 3 epochs, kept per item: each row computed once, then read
+    assert "cache 1024 512" in done.stdout, out[-3000:]
+    assert any((tmp_path / ".soma" / "items").iterdir())

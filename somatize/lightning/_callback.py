@@ -76,9 +76,16 @@ class SomatizeCache(pl.Callback):
     that cannot be named is refused at setup, naming it), ``salt`` and the call's
     autocast state; the code of every class in its tree is kept beside the value.
 
+    With ``per_item=True`` each module promises that each output row depends only on its
+    input row (dim 0): its calls are answered item by item under the same name's pieces
+    (see ``docs/per-item.md``), so shuffled batches hit from the second epoch on. A layer
+    that couples rows (BatchNorm in train mode, or without running statistics) is
+    refused at setup, naming it.
+
     Hits and misses are logged each epoch, per stage (``cache/hits``, ``cache/misses``
-    for training, ``cache/val_hits``, ``cache/test_hits``...); their totals are kept in
-    checkpoints. A store path that is an existing file is refused at setup.
+    for training, ``cache/val_hits``, ``cache/test_hits``...; in items with
+    ``per_item=True``); their totals are kept in checkpoints. A store path that is an
+    existing file is refused at setup.
 
     Args:
         store: a directory (created if missing) or a Keeper where cached outputs are kept.
@@ -86,13 +93,15 @@ class SomatizeCache(pl.Callback):
         salt: a string in every name: change it when something the key cannot see
             changes what the modules compute (an attribute holding an object is then
             left out of the name instead of refused).
+        per_item: keep and look up each module's output row by row (a store directory).
     """
 
     def __init__(self, store: str | PathLike | Any, modules: Sequence[str] = (),
-                 salt: str | None = None):
+                 salt: str | None = None, per_item: bool = False):
         self.store = store
         self.modules = list(modules)
         self.salt = salt
+        self.per_item = per_item
         self.stages = Stages()  # hits and misses by stage (train, val, test, predict)
         self.keeper: Counting | None = None
         self.cached: dict[str, CachedForward] = {}  # by path: what each module now calls
@@ -148,13 +157,13 @@ class SomatizeCache(pl.Callback):
                 p.requires_grad_(False)
             module.eval()
             have = module.__dict__.get("forward")
-            if isinstance(have, CachedForward):  # left by an earlier fit (see _uninstall)
+            if type(have) is _forward_class(self.per_item):  # left by an earlier fit
                 have.active = True
                 have.settle()
                 self.cached[path] = have
             else:
-                self.cached[path] = CachedForward(module, path, self.store, previous=have,
-                                                  salt=self.salt)
+                self.cached[path] = _forward_class(self.per_item)(
+                    module, path, self.store, previous=have, salt=self.salt)
                 module.forward = self.cached[path]  # an instance attribute: it pickles along
         if self.cached:
             log.info("modules %s are frozen; their outputs are kept in %s", sorted(self.cached),
@@ -273,7 +282,7 @@ class SomatizeCache(pl.Callback):
         loader: no batch repeats, so none ever will. Said once."""
         if hits or not misses or trainer.current_epoch < 1 or self.stages.said_shuffle:
             return
-        if getattr(self, "per_item", False) or not shuffles(trainer.train_dataloader):
+        if self.per_item or not shuffles(trainer.train_dataloader):
             return
         self.stages.said_shuffle = True
         log.warning(
@@ -295,6 +304,9 @@ class SomatizeCache(pl.Callback):
     def _counts(self) -> tuple[int, int]:
         k = self.keeper
         hits, misses = (k.hits, k.misses) if k is not None else (0, 0)
+        if self._trainer is not None and self._trainer.lightning_module is not None:
+            h, m = _item_counts(self._trainer.lightning_module)
+            hits, misses = hits + h, misses + m
         for path, cached in self.cached.items():
             h, m = self._counts_of(path, cached)
             hits, misses = hits + h, misses + m
@@ -336,6 +348,26 @@ def _refuse_file(store: Any) -> None:
             f"SomatizeCache(store={str(store)!r}): {path} is a file, not a directory, so "
             "nothing could be kept there. Give a directory path (it is created if missing), "
             "or move the file")
+
+
+def _forward_class(per_item: bool) -> type[CachedForward]:
+    """What a module named by path calls: item by item, or by its whole input."""
+    if per_item:
+        from ..torch._per_item import PerItemForward
+
+        return PerItemForward
+    return CachedForward
+
+
+def _item_counts(pl_module: pl.LightningModule) -> tuple[int, int]:
+    """``(hits, misses)`` in items of the ``.mapped()`` nodes of its graphs, run here."""
+    from ..torch._per_item import mapped_counts
+
+    hits = misses = 0
+    for gm in graph_modules(pl_module):
+        h, m = mapped_counts(gm.graph)
+        hits, misses = hits + h, misses + m
+    return hits, misses
 
 
 def _placed_on(place: Mapping[str, str], path: str) -> tuple[str, str] | None:

@@ -71,6 +71,8 @@ class DropIn:
                       Placement(dict(place)))
         # one node per module, no edges: how each module, as it is now, is sent once
         self.session = Session(graph, workers=workers)
+        if self.session.runtime is not None:  # no graph here to close: the fit is what restarts
+            self.session.runtime.restart = "run the fit again (it starts fresh workers)"
         self.links = {p: Link(self.session, p, m, place[p], here)
                       for p, m in self.modules.items()}
         # the optimizers over there, and what keeps them in step with the ones here

@@ -24,8 +24,9 @@ import weakref
 from dataclasses import dataclass, field
 
 from .._errors import WorkerError
-from . import _membership
-from ._settings import COORDINATOR, _started, backend_options, loopback, loopback_iface, settings
+from . import _membership, _sealed, _secret
+from ._death import why_exited
+from ._settings import COORDINATOR, _started, backend_options, keep_on_loopback, loopback, settings
 from ._spawn import ask_daemon, spawn, warm
 from ._worker import Worker
 
@@ -51,10 +52,16 @@ class Peer:
     dead: str | None = None  # why it is gone, once it is
     key: tuple = field(default=())
 
-    def why_dead(self) -> str | None:
-        """Why this worker is gone (None while it may be alive)."""
+    def why_dead(self, grace: float = 0.0) -> str | None:
+        """Why this worker is gone (None while it may be alive); ``grace``: seconds to
+        wait for a local process to end (its pipes close a moment before it is reaped)."""
+        if self.dead is None and self.proc is not None and grace > 0:
+            try:
+                self.proc.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
         if self.dead is None and self.proc is not None and self.proc.poll() is not None:
-            self.dead = f"its process (pid {self.proc.pid}) exited with code {self.proc.returncode}"
+            self.dead = why_exited(self.proc.pid, self.proc.returncode)
         return self.dead
 
 
@@ -81,14 +88,20 @@ class Group:
             import torch.distributed.rpc as rpc
 
             if self.static is not None:  # torchrun: every rank is known, MASTER_* set
+                from ._torchrun import drop_key_file, rendezvous
+
+                init = rendezvous(0)  # somatize's own, gated; never torchrun's store
                 rpc.init_rpc(COORDINATOR, rank=0, world_size=self.world,
-                             rpc_backend_options=backend_options("env://", settings))
+                             rpc_backend_options=backend_options(init, settings))
+                drop_key_file()  # every rank has joined: each has read it
             else:
                 host = settings["listen"]
-                if loopback(host) and "TP_SOCKET_IFNAME" not in os.environ:
-                    os.environ["TP_SOCKET_IFNAME"] = loopback_iface()
-                self._store, self._socket, port = _membership.rendezvous(
-                    host, settings["timeout"])
+                if loopback(host):
+                    keep_on_loopback()
+                key = _secret.run_key()
+                _sealed.seal(key)  # before the first message: every one carries its MAC
+                self._gate = _membership.rendezvous(host, key, settings["timeout"])
+                self._store, port = self._gate.store, self._gate.port
                 self.join = f"tcp://{host}:{port}"
                 rpc.init_rpc(COORDINATOR, rank=0, world_size=None,
                              rpc_backend_options=backend_options(f"somatize://{host}:{port}",
@@ -161,7 +174,10 @@ class Group:
             cmd += ["--device", spec.device]
         if spec.kind == "standing":
             p = Peer(name, host, "standing", spec.timeout, rank=rank)
-            p.conn, reply = ask_daemon(spec.address, host, cmd, spec.timeout)
+            request = {"name": name, "rank": rank, "join": self.join,
+                       "options": {k: v for k, v in settings.items() if k != "listen"},
+                       "threads": spec.threads or _threads_here(), "device": spec.device}
+            p.conn, reply = ask_daemon(spec.address, host, request, spec.timeout)
             p.pid = reply.get("pid")
         else:
             if spec.store is not None:
@@ -216,14 +232,28 @@ class Group:
                         "stderr is above"
                     )
                 if time.monotonic() - start > settings["timeout"]:
+                    why = self._late(p)
                     self.stop(p, force=True)
-                    raise WorkerError(
-                        f"worker {p.host!r} ({p.kind}) did not join the run within "
-                        f"{settings['timeout']:g} s: check that it can reach {self.join}, "
-                        "or raise somatize.remote.configure(timeout=...)"
-                    )
+                    raise WorkerError(f"worker {p.host!r} ({p.kind}) did not join the run "
+                                      f"within {settings['timeout']:g} s: {why}")
             if todo:
                 time.sleep(0.02)
+
+    def _late(self, p: Peer) -> str:
+        # not started in time, or cannot reach: the gate knows whom it has seen
+        raise_it = "or raise somatize.remote.configure(timeout=...)"
+        if p.proc is not None and _state(p.proc.pid) == "T":
+            return (f"its process (pid {p.proc.pid}) is stopped (SIGSTOP, Ctrl-Z or a "
+                    "debugger holds it) and did not start in time")
+        if self.static is None and p.name in self._gate.seen:
+            return (f"it reached the rendezvous but did not finish joining: TensorPipe "
+                    "could not connect one side to the other (set TP_SOCKET_IFNAME to an "
+                    f"interface both reach), {raise_it}")
+        if p.kind == "embedded":
+            return (f"it did not start in time (it never reached the rendezvous at "
+                    f"{self.join}: a slow start on a loaded machine?), {raise_it}")
+        return (f"it never reached the rendezvous at {self.join} from its machine: check that "
+                f"it can reach that address (configure(listen=...), a firewall), {raise_it}")
 
     def release(self, p: Peer) -> None:
         """One runtime is done with ``p``; the last one stops it (torchrun ranks stay)."""
@@ -321,6 +351,14 @@ def group() -> Group:
     if _group is None:
         _group = Group()
     return _group
+
+
+def _state(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
 
 
 def _threads_here() -> int:

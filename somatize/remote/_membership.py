@@ -1,7 +1,7 @@
 """TensorPipe membership: the rendezvous we host, and the surgery a dynamic group needs
 (workers join and leave one RPC group that torch cannot restart, pytorch#46491).
 
-    port = rendezvous("127.0.0.1", timeout)   # torch's tcp:// binds every interface
+    gate = rendezvous("127.0.0.1", key, timeout)  # gated (_gate); torch's tcp:// is not
     expect_closed_pipes(timeout)              # each process, right after joining
     unlist(store, name, rank)                 # a dead worker no later joiner should greet
 
@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-import socket
 import time
-from datetime import timedelta
 
 from .._errors import WorkerError
 
@@ -24,23 +22,39 @@ log = logging.getLogger(__name__)
 _MEMBERS = "names/_ALL_WORKER_INFOS"  # TensorPipe's list of members, "name-rank," each
 
 
-def rendezvous(host: str, timeout: float):
-    """A TCPStore listening on ``host`` only, registered as the ``somatize://`` rendezvous;
-    returns (store, listening socket, port)."""
-    import torch.distributed as dist
+def rendezvous(host: str, key: bytes, timeout: float):
+    """The run's rendezvous, listening on ``host`` only behind a gate that admits only
+    peers holding ``key`` (``_gate``), registered as ``somatize://``; returns the gate
+    (its ``store`` and ``port``)."""
+    from ._gate import Gate
 
-    sock = socket.create_server((host, 0), backlog=128)
-    port = sock.getsockname()[1]
-    store = dist.TCPStore(host, port, None, True, timedelta(seconds=timeout),
-                          wait_for_workers=False, master_listen_fd=sock.fileno())
+    gate = Gate(host, key, timeout)
+    _register(gate.store)
+    return gate
 
-    def handler(url, **kw):
-        yield store, 0, -1
 
-    # the module, not the function torch.distributed re-exports under the same name
-    rdv = importlib.import_module("torch.distributed.rendezvous")
-    rdv.register_rendezvous_handler("somatize", handler)
-    return store, sock, port
+def join_through(host: str, port: int, key: bytes, timeout: float, who: str = "") -> str:
+    """Register ``somatize://`` as the gated rendezvous at ``host:port`` (a joining
+    worker); returns the init_method to hand ``init_rpc``."""
+    from ._gate import GatedStore
+
+    _register(GatedStore(host, port, key, timeout, who))
+    return f"somatize://{host}:{port}"
+
+
+_stores: list = []  # the store ``somatize://`` hands torch (one RPC group per process)
+
+
+def _register(store) -> None:
+    first = not _stores
+    _stores[:] = [store]
+    if first:
+        def handler(url, **kw):
+            yield _stores[0], 0, -1
+
+        # the module, not the function torch.distributed re-exports under the same name
+        rdv = importlib.import_module("torch.distributed.rendezvous")
+        rdv.register_rendezvous_handler("somatize", handler)
 
 
 def expect_closed_pipes(timeout: float) -> None:

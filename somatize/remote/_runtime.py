@@ -47,6 +47,9 @@ class Runtime:
         self.sent = self.received = 0
         self.waited = 0.0
         self.ended = "it was closed"  # why it is closed, once it is
+        # what to do once a worker is lost (a route with no graph to close says its own)
+        self.restart = "close the graph or trainer (.close()) and run again, which starts a " \
+            "fresh worker"
         self._lock = threading.Lock()
         self._sending = threading.Lock()  # a ticket is numbered and sent in one go
         self._tickets: dict[str, int] = {}  # per host: the next ordered call's number
@@ -255,8 +258,7 @@ class Runtime:
     def _lost(self, p: Peer, what: str) -> WorkerError:
         return WorkerError(
             f"worker {p.host!r} ({p.kind}, pid {p.pid}) was lost before {what}: {p.dead}. "
-            "Its state over there is gone; close the graph or trainer (.close()) and run "
-            "again, which starts a fresh worker"
+            f"Its state over there is gone; {self.restart}"
         )
 
     def _failure(self, p: Peer, what: str, e: Exception) -> WorkerError:
@@ -271,12 +273,12 @@ class Runtime:
                 "its machine may be unreachable, or the call slower than that: raise its "
                 f"timeout (Worker(timeout=...)) if that is expected ({msg})"
             )
-        if dead is None:
-            dead = p.dead = f"it is unreachable ({msg})"
+        if dead is None:  # a process killed (out of memory?) is reaped just after its pipes close
+            dead = p.dead = p.why_dead(grace=2.0) or f"it is unreachable ({msg})"
         group().forget(p)
         return WorkerError(
             f"worker {p.host!r} ({p.kind}, pid {p.pid}) was lost while {what}: {dead}. "
-            "Its state over there is gone; close the graph (g.close()) and run again"
+            f"Its state over there is gone; {self.restart}"
         )
 
     def _unreadable(self, p: Peer, what: str, said: str) -> WorkerError:

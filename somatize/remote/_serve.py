@@ -288,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed.rpc as rpc
 
-    from ._membership import expect_closed_pipes
+    from . import _sealed, _secret
+    from ._membership import expect_closed_pipes, join_through
     from ._settings import backend_options
 
     if args.threads:
@@ -297,14 +298,23 @@ def main(argv: list[str] | None = None) -> int:
     _device = args.device
     global _keeper
     if args.store:
-        from ..store import open_keeper
+        from ..store import Store, open_keeper
 
         _keeper = open_keeper(args.store)
+        why = Store(args.store).writable()
+        if why is not None:  # said once, here, not once per value not kept
+            log.warning("cannot write the store %s (%s): nothing this worker runs is kept; "
+                        "give this user write access to it, or start the worker with a "
+                        "store of its own", args.store, why)
     import somatize.torch  # noqa: F401  (registers the tensor codec the keeper uses)
 
     opts = json.loads(args.options)
+    key = _secret.given_key()  # from our environment, never from the command line
+    _sealed.seal(key)
+    host, _, port = args.join.removeprefix("tcp://").rpartition(":")
+    init = join_through(host, int(port), key, opts.get("timeout", 60.0), args.name)
     rpc.init_rpc(args.name, rank=args.rank, world_size=None,
-                 rpc_backend_options=backend_options(args.join, opts))
+                 rpc_backend_options=backend_options(init, opts))
     expect_closed_pipes(opts.get("timeout", 60.0))
     rpc.rpc_sync("coordinator", joined, args=(args.name,), timeout=opts.get("timeout", 60.0))
     _stop.wait()

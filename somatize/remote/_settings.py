@@ -8,11 +8,15 @@ The defaults were chosen by measuring (``scripts/bench_remote.py``; docs/perform
 
 from __future__ import annotations
 
+import logging
+import os
 import socket
 from typing import Any
 
 from .._errors import WorkerError
 from ._worker import DEFAULT_TIMEOUT
+
+log = logging.getLogger(__name__)
 
 COORDINATOR = "coordinator"  # rank 0's RPC name
 settings: dict[str, Any] = {
@@ -71,3 +75,16 @@ def loopback_iface() -> str:
         if name.startswith("lo"):
             return name
     return "lo"
+
+
+def keep_on_loopback(env: dict | None = None) -> None:
+    """Point TensorPipe at the loopback interface in ``env`` (default: this process's
+    environment): a run that listens on loopback never listens anywhere else, whatever
+    ``TP_SOCKET_IFNAME`` said (said once, when it said another interface)."""
+    env = os.environ if env is None else env
+    lo, was = loopback_iface(), env.get("TP_SOCKET_IFNAME")
+    if was and was != lo:
+        log.warning("TP_SOCKET_IFNAME=%s is not used: this run listens on loopback only, so "
+                    "TensorPipe listens on %s. To reach other machines, call "
+                    "somatize.remote.configure(listen='<an address on %s>')", was, lo, was)
+    env["TP_SOCKET_IFNAME"] = lo

@@ -112,23 +112,42 @@ def bytes_of(value: Any) -> int:
     return total
 
 
+def _pickler():
+    """cloudpickle's pickler, keeping each function's file name (cloudpickle writes
+    ``<dynamic-code>``), so that a traceback over there names the user's file and line."""
+    import types
+    from collections import ChainMap
+
+    import cloudpickle
+    from cloudpickle import cloudpickle as cp
+
+    def code(co):
+        make, args = cp._code_reduce(co)
+        return make, tuple(co.co_filename if type(a) is str and a == "<dynamic-code>" else a
+                           for a in args)
+
+    class Named(cloudpickle.CloudPickler):
+        dispatch_table = ChainMap({types.CodeType: code}, cloudpickle.CloudPickler.dispatch_table)
+
+    return Named
+
+
 def dumps(obj: Any) -> bytes:
     """Code and objects by value where they are defined in ``__main__`` (cloudpickle)."""
-    import cloudpickle
-
-    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    buf = io.BytesIO()
+    _pickler()(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
 
 
 def dumps_apart(obj: Any) -> tuple[bytes, list]:
     """``dumps``, with the tensors left out of the bytes and handed back beside them: the
     transport sends tensors as they are (no copy of a module's weights in a pickle)."""
-    import cloudpickle
     import torch
 
     tensors: list = []
     seen: dict[int, int] = {}
 
-    class Apart(cloudpickle.CloudPickler):
+    class Apart(_pickler()):
         def persistent_id(self, o):
             if isinstance(o, torch.Tensor) and type(o) in (torch.Tensor, torch.nn.Parameter):
                 if id(o) not in seen:  # a tensor tied in two places stays one

@@ -35,9 +35,14 @@ blob that did not reach the disk reads as a miss and is recomputed (a killed pro
 loses nothing: the page cache survives it). ``fsync=True`` buys durability across power
 cuts; measured by scripts/bench_cache.py on a 64 MB write it cost 1.1-1.2x here.
 
+A store is private to its owner (directories 0700, files 0600) unless made shared
+(``Store(path, shared=True)``: its group may read and write), and never follows a link
+below its root (docs/security.md).
+
 The modules: ``_store`` (reading, writing, gc), ``_entry`` (names and name files),
-``_blobs`` (a blob's bytes read and hashed), ``_lock``, ``_recent`` (the memory of what
-was read), ``_guarded`` (the never-raising keeper the engine is handed).
+``_blobs`` (a blob's bytes read and hashed), ``_files`` (every file made and reached:
+its mode, no link followed), ``_lock``, ``_recent`` (the memory of what was read),
+``_guarded`` (the never-raising keeper the engine is handed).
 """
 
 from ._entry import Entry

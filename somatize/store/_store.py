@@ -29,8 +29,15 @@ from .._packing import Damaged, Unpackable, check, pack, unpack
 from .._say import say_once
 from ._blobs import digest, hasher, read_whole
 from ._entry import Entry, check_meta, check_name, parse_entry
-from ._files import (BelowLink, files_below, move_below, open_below, private_dir, remove_below,
-                     write_file_atomic)
+from ._files import (
+    BelowLink,
+    files_below,
+    move_below,
+    open_below,
+    private_dir,
+    remove_below,
+    write_file_atomic,
+)
 from ._lock import Lock
 from ._recent import checked, recent
 

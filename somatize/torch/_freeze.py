@@ -104,6 +104,11 @@ def freeze(graph) -> Any:
             if t.is_floating_point() or t.is_complex():
                 t.requires_grad_(False)
         node._soma_digest = state_digest(node, n, graph.memory.cached.get(n))
+    if graph.memory.mapped:
+        from ._per_item import refuse_coupled_node
+
+        for n in sorted(graph.memory.mapped):
+            refuse_coupled_node(n, graph.catalog[n])
     return graph
 
 

@@ -1,0 +1,67 @@
+"""Every call and answer of the run carries a MAC, checked before anything in it is
+unpickled.
+
+    seal(key)       # each process of the run, before it starts RPC
+
+torch.distributed.rpc pickles a Python call (the function, its arguments) and every
+Python answer with one object, ``torch.distributed.rpc.internal._internal_rpc_pickler``:
+its ``serialize`` makes the bytes a message carries (tensors travel beside them), and
+its ``deserialize`` is what the receiving process (from C++, through
+``internal.deserialize``) unpickles them with. Sealing this process wraps both: the
+bytes sent are ``MAGIC + HMAC(key, bytes) + bytes``, and bytes received are unpickled
+only when their MAC checks. A call from a peer outside the run (one that reached a
+TensorPipe listener directly) is refused there, unpickled never, and said once; its
+caller gets an error back. What this does not cover (torch's built-in operators called
+by name, TensorPipe's own handshake) is in docs/security.md.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"SMZ1"
+_N = len(MAGIC) + 32
+_said = [False]
+
+
+class NotOfThisRun(AttributeError):
+    """What a refused message unpickles to (torch runs nothing for an AttributeError:
+    ``internal._run_function`` raises it back to the caller)."""
+
+
+def seal(key: bytes) -> None:
+    """Make this process's RPC pickler MAC what it sends and check what it receives."""
+    from torch.distributed.rpc import internal
+
+    p = internal._internal_rpc_pickler
+    cls = type(p)
+
+    def serialize(obj):
+        data, tensors = cls.serialize(p, obj)
+        return MAGIC + hmac.new(key, data, hashlib.sha256).digest() + data, tensors
+
+    def deserialize(binary_data, tensor_table):
+        data = bytes(binary_data)
+        if data[:len(MAGIC)] != MAGIC or not hmac.compare_digest(
+                data[len(MAGIC):_N], hmac.new(key, data[_N:], hashlib.sha256).digest()):
+            if not _said[0]:
+                _said[0] = True
+                log.warning("refused a call that does not carry this run's MAC (a peer "
+                            "outside the run reached this process's RPC listener): nothing "
+                            "in it was unpickled or run")
+            return NotOfThisRun("refused: this call does not carry the run's MAC; only "
+                                "processes of the run may call it")
+        return cls.deserialize(p, data[_N:], tensor_table)
+
+    p.serialize, p.deserialize = serialize, deserialize
+
+
+def sealed() -> bool:
+    """Whether this process's RPC pickler is sealed."""
+    from torch.distributed.rpc import internal
+
+    return "serialize" in vars(internal._internal_rpc_pickler)

@@ -1,0 +1,332 @@
+"""Per-item memory for tensors: a batch answered row by row, so shuffled batches hit.
+
+A module (or ``.mapped()`` node) kept per item promises that each output row depends only
+on its input row along dim 0. Each row of its input gets its own key; the rows already
+kept are read from the store, the others are computed together as one batch and kept (one
+pack); the batch comes back in its own order, as a fresh tensor with the dtype and device
+of the module's own output.
+
+    item = PerItem("body", "Encoder", "/scratch/soma")
+    y = item(x, lambda sub: encoder(sub), state=digest)   # item.hits, item.misses
+
+    key(item) = BLAKE3-keyed(k, the row's bytes)[:16]
+    k = BLAKE3-derive-key(CONTEXT, module key | the rows' dtype and shape)
+    module key = H("items", class, state digest, salt, call state)  (as whole-batch keys)
+
+Keyed and derive-key modes keep item keys apart from whole-value keys (plain BLAKE3 over
+length-prefixed pieces): no row can be named like a whole value.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from blake3 import blake3
+
+from .._errors import Refused
+from .._keys import changed, digest, state_of_call
+from .._memory import state_digest
+from .._naming import _fingerprint_of
+from .._node import kind_of
+from .._say import say_once
+from .._values import Opaque, bare
+from ..store._items import Items, Space
+from ._cached import CachedForward, _refuse_trained_input
+from ._freeze import modules_of
+
+CONTEXT = "somatize 2026-12 per-item key v1"
+NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+         torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+         torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+DTYPES = {v: k for k, v in NAMES.items()}
+
+
+def coupled_layers(module: torch.nn.Module) -> list[tuple[str, str]]:
+    """The layers of ``module`` that mix the rows of a batch: ``[(path, why)]``."""
+    out = []
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):  # SyncBatchNorm too
+            if m.training:
+                out.append((name, "is in train mode (it normalises by the batch's statistics)"))
+            elif not m.track_running_stats:
+                out.append((name, "has track_running_stats=False (it normalises by the "
+                                  "batch's statistics, even in eval mode)"))
+    return out
+
+
+def refuse_coupled(module: torch.nn.Module, path: str) -> None:
+    """Raise ``Refused`` naming the first layer of ``module`` that couples rows."""
+    for name, why in coupled_layers(module):
+        layer = f"{path}.{name}" if name else path
+        raise Refused(
+            f"{path!r} is kept per item, but its layer {layer!r} "
+            f"({type(module.get_submodule(name)).__name__}) {why}: an item's output would "
+            "depend on the other items of its batch, and a kept row would be wrong in "
+            "another batch. Put that layer in eval mode with track_running_stats=True, or "
+            "keep the module per batch (leave out per_item=True / .mapped())")
+
+
+def module_key(kind: str, state: str | None, salt: str | None) -> str:
+    """The name under which a module's items are kept (its items' common part): the pieces
+    of a whole-batch key (class, state and settings digest, salt, the call's state as
+    ``_keys.state_of_call`` says it: autocast) under a domain of its own."""
+    return digest(["items", kind, state or "", salt or "", state_of_call()])
+
+
+def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
+    """One 16-byte key per row of ``x`` (hashed in place on a contiguous CPU copy)."""
+    x = x.detach()
+    if x.device.type != "cpu":
+        x = x.cpu()
+    x = x.contiguous()
+    n = x.shape[0]
+    if n == 0:
+        return []
+    # a key of its own per module and row layout, derived under our context: each row is
+    # then one keyed BLAKE3 call (a mode no whole-value key uses)
+    key = blake3(bytes.fromhex(mkey) + f"{x.dtype}{list(x.shape[1:])}".encode(),
+                 derive_key_context=CONTEXT).digest()
+    raw = memoryview(x.reshape(n, -1).view(torch.uint8).numpy()).cast("B")
+    rb = raw.nbytes // n
+    return [blake3(raw[i * rb:(i + 1) * rb], key=key).digest(16) for i in range(n)]
+
+
+def items_of(store: Any) -> Items | None:
+    """The per-item part of a store given as a path, a Store, or a keeper wrapping one."""
+    seen = 0
+    while store is not None and seen < 8:
+        if isinstance(store, Items):
+            return store
+        if isinstance(store, str) or hasattr(store, "__fspath__"):
+            return Items(store)
+        path = getattr(store, "path", None)
+        if path is not None and hasattr(store, "gc"):  # a somatize.store.Store
+            return Items(path, fsync=getattr(store, "fsync", False),
+                         shared=getattr(store, "shared", False))
+        store, seen = getattr(store, "keeper", None), seen + 1
+    return None
+
+
+class PerItem:
+    """Answers batches item by item from a store, for one module; counts items.
+
+    Args:
+        name: the module's path or node id, for messages and what is kept beside rows.
+        kind: its class name (in the key).
+        store: a directory path, a Store, or a keeper wrapping one.
+        salt: what the key cannot see, as ``.cached(salt=)``.
+    """
+
+    def __init__(self, name: str, kind: str, store: Any, salt: str | None = None):
+        self.name, self.kind, self.salt = name, kind, salt
+        self.store = store
+        self.hits = 0
+        self.misses = 0
+        self.row: tuple[int, ...] | None = None  # the trailing shape of its output rows
+        self.device: torch.device | None = None  # where its output lands
+        self._items: Items | None = None
+        self._code_seen: set[str] = set()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_items": None, "_code_seen": set()}
+
+    def space(self, state: str | None, meta: dict[str, str]) -> Space | None:
+        if self._items is None:
+            self._items = items_of(self.store)
+        if self._items is None:
+            return None
+        space = self._items.space(module_key(self.kind, state, self.salt), meta)
+        if space.key not in self._code_seen:  # once per module key in this process
+            self._code_seen.add(space.key)
+            _check_code(self.name, self.kind, space.written_meta().get("fingerprint"),
+                        meta.get("fingerprint"))
+        return space
+
+    def __call__(self, x: Any, run: Callable[[torch.Tensor], Any], state: str | None,
+                 meta: dict[str, str], device: torch.device | None = None) -> tuple[Any, bool]:
+        """The output for batch ``x`` and whether ``run`` was called (for the misses)."""
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            raise Refused(
+                f"{self.name!r} is kept per item, but it was called with a "
+                f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of no dim'}: "
+                "per item needs one tensor whose dim 0 is the batch. Keep it per batch "
+                "(leave out per_item=True / .mapped())")
+        space = self.space(state, {"module": self.name, "class": self.kind, **meta})
+        if space is None:
+            say_once(("per item, no directory", self.name),
+                     f"{self.name!r} is kept per item, but its store "
+                     f"({type(self.store).__name__}) is not a store directory: nothing is kept "
+                     "per item. Give a directory path (store='/scratch/soma')")
+        if space is None or x.shape[0] == 0:
+            return run(x), True
+        n = x.shape[0]
+        keys = item_keys(space.key, x)
+        locs = space.lookup(keys)
+        rows = space.read(keys, locs) if any(loc is not None for loc in locs) else None
+        ok = rows.ok if rows is not None else [False] * n
+        nhit = sum(ok)
+        if nhit == n:  # the epochs after the first: no miss to sort out
+            todo: list[int] = []
+        else:
+            first: dict[bytes, int] = {}
+            for i in range(n):
+                if not ok[i]:
+                    first.setdefault(keys[i], i)
+            todo = list(first.values())
+        hit = nhit > 0
+        self.hits += nhit
+        self.misses += n - nhit
+        out = None
+        if todo:
+            sub = x if len(todo) == n else x[torch.tensor(todo, device=x.device)]
+            out = self._checked(run(sub), len(todo), rows if hit else None)
+            kept = out.detach()
+            kept = (kept.cpu() if kept.device.type != "cpu" else kept).contiguous()
+            space.put([keys[i] for i in todo], NAMES[out.dtype], self.row,
+                      kept.reshape(len(todo), -1).view(torch.uint8).numpy())
+            dtype, dev = out.dtype, out.device
+            self.device = dev
+        else:
+            dtype = DTYPES[rows.dtype]
+            self.row = self.row if self.row is not None else rows.row
+            dev = self.device or device or x.device
+        result = torch.empty((n, *self.row), dtype=dtype, device=dev)
+        for buf, slots, at in rows.parts if hit else ():  # a pack's rows at once
+            src = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(-1, *rows.row)
+            result[torch.tensor(slots, device=dev)] = src[torch.tensor(at)].to(dev)
+        if todo:
+            where = {k: j for j, k in enumerate(keys[i] for i in todo)}
+            miss = [i for i in range(n) if not ok[i]]
+            result[torch.tensor(miss, device=dev)] = out.detach()[
+                torch.tensor([where[keys[i]] for i in miss], device=out.device)].to(dev)
+        return result, bool(todo)
+
+    def _checked(self, out: Any, n: int, rows: Any) -> torch.Tensor:
+        """Refuse an output that is not rows of the batch, or whose rows changed shape."""
+        if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != n \
+                or out.dtype not in NAMES:
+            got = (f"a {tuple(out.shape)} {out.dtype} tensor" if isinstance(out, torch.Tensor)
+                   else f"a {type(out).__name__}")
+            raise Refused(
+                f"{self.name!r} is kept per item, but for a batch of {n} it returned {got}: "
+                f"per item needs a tensor whose dim 0 is the batch ({n} rows). Keep it per "
+                "batch (leave out per_item=True / .mapped())")
+        row = tuple(out.shape[1:])
+        seen = self.row if self.row is not None else (rows.row if rows is not None else None)
+        if seen is not None and row != tuple(seen):
+            raise Refused(
+                f"{self.name!r} is kept per item, but its output rows were {list(seen)} and "
+                f"are now {list(row)}: their shape changes from batch to batch (dynamic "
+                "padding?), so a kept row would not fit another batch. Pad to a fixed length, "
+                "or keep it per batch (leave out per_item=True / .mapped())")
+        if rows is not None and DTYPES.get(rows.dtype) != out.dtype:
+            raise Refused(
+                f"{self.name!r} is kept per item, and its kept rows are {rows.dtype} but it "
+                f"now returns {out.dtype} under the same name: give it another salt or store")
+        self.row = row
+        return out
+
+
+def refuse_coupled_node(n: str, node: Any) -> None:
+    """``refuse_coupled`` for each module a graph node holds (a wrapped module: its own)."""
+    for attr, m in modules_of(node):
+        wrapped = getattr(node, "_soma_kind", None) is not None
+        refuse_coupled(m, f"{n}.{attr}" if attr and not wrapped else n)
+
+
+def _check_code(name: str, kind: str, then: str | None, now: str | None) -> None:
+    """Say once when the items kept under a module's name were made by other code."""
+    if then is None or now is None or then == now:
+        return
+    try:
+        diff = changed(json.loads(then), json.loads(now))
+    except ValueError:
+        diff = ["(unreadable)"]
+    if diff:
+        say_once(("per-item code", name, tuple(diff)),
+                 f"{name!r} ({kind}): the items kept under its name were produced by different "
+                 f"code ({', '.join(diff)} changed since). They are used anyway: the code is "
+                 "not part of the name. If the change alters what it produces, give it a salt "
+                 "(.cached(salt='v2')) or another store")
+
+
+def _device_of(module: Any) -> torch.device | None:
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return None
+
+
+class PerItemForward(CachedForward):
+    """``CachedForward`` item by item: what ``SomatizeCache(..., per_item=True)`` installs.
+
+    Refused when installed (and at any call that shows it): a layer that couples rows
+    (BatchNorm in train mode or without running statistics), a call with anything but one
+    tensor, an output that is not rows of the batch or whose rows change shape.
+    """
+
+    def __init__(self, module: torch.nn.Module, path: str, store: Any, previous: Any = None,
+                 salt: str | None = None):
+        refuse_coupled(module, path)
+        super().__init__(module, path, store, previous, salt)
+        if items_of(self.store) is None:
+            raise Refused(
+                f"module {path!r} is kept per item, which needs a store directory (its packs "
+                f"and index are files), not a {type(store).__name__}: give SomatizeCache "
+                "store='/scratch/soma' or a somatize.store.Store")
+        self.item = PerItem(path, self.kind, self.store, salt)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.active:
+            return self.run(*args, **kwargs)
+        if len(args) != 1 or kwargs:
+            raise Refused(
+                f"module {self.path!r} is kept per item, but it was called with "
+                f"{len(args)} arguments{' and keywords ' + str(sorted(kwargs)) if kwargs else ''}"
+                ": per item takes one tensor whose dim 0 is the batch. Keep it per batch "
+                "(SomatizeCache without per_item=True)")
+        _refuse_trained_input(self.path, args, kwargs)
+        refuse_coupled(self.module, self.path)
+        if self._watch is None or self._watch.changed(self.module):
+            self.settle()  # its weights or settings were written: a new name
+        out, _ = self.item(args[0], self.run, self.digest, {"fingerprint": self.code},
+                           _device_of(self.module))
+        self.hits, self.misses = self.item.hits, self.item.misses
+        return out
+
+
+_nodes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def answer_mapped(graph, n: str, node: Any, x: Any, keeper: Any, run) -> tuple[Any, bool]:
+    """The engine's ``mapped`` hole: a ``.mapped()`` node's batch, item by item."""
+    modules = modules_of(node)
+    refuse_coupled_node(n, node)
+    mine = _nodes.setdefault(node, {})
+    item = mine.get(id(keeper))
+    if item is None:
+        item = mine[id(keeper)] = PerItem(n, kind_of(node), keeper, graph.memory.cached.get(n))
+    wrapped = isinstance(x, Opaque)
+    opaque = []
+
+    def compute(sub: torch.Tensor) -> torch.Tensor:
+        y = run(Opaque(sub) if wrapped else sub)
+        opaque.append(isinstance(y, Opaque))
+        return bare(y)
+
+    dev = next((d for _, m in modules if (d := _device_of(m)) is not None), None)
+    out, ran = item(bare(x), compute, state_digest(node),
+                    {"fingerprint": _fingerprint_of(node)}, dev)
+    return (Opaque(out) if (opaque[0] if opaque else wrapped) else out), ran
+
+
+def mapped_counts(graph) -> tuple[int, int]:
+    """``(hits, misses)`` in items of a graph's ``.mapped()`` nodes run in this process."""
+    hits = misses = 0
+    for n in graph.memory.mapped:
+        for item in _nodes.get(graph.catalog[n], {}).values():
+            hits, misses = hits + item.hits, misses + item.misses
+    return hits, misses

@@ -1,0 +1,145 @@
+"""A run for tests/test_secret.py to attack, and the stranger that attacks it.
+
+    python tests/secret_runs.py target READY GO [LISTEN] # a run: says where it listens, waits
+    python tests/secret_runs.py rendezvous HOST:PORT OUT  # plain torch joins through it
+    python tests/secret_runs.py listener ADDR OUT        # TensorPipe straight at a listener
+
+The target runs the seeds' graph on an embedded worker, writes READY (JSON: the
+rendezvous, the pids, each process's TensorPipe address as ``ss`` would show it), waits
+for GO, runs the graph again and prints whether both answers equal one process's.
+A stranger writes OUT (JSON): what each attempt answered. A call that ran would have
+created OUT + ".ran" (as whoever runs the target).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+from models import Body, Head
+
+from somatize import Graph
+from somatize.remote import runtime_for
+
+
+def target(ready: str, go: str, listen: str = "") -> None:
+    from somatize.remote import configure
+    from somatize.remote._group import group
+
+    if listen:  # opened to a network (another test host reaches it)
+        configure(listen=listen)
+
+    torch.manual_seed(0)
+    xs = torch.randn(5, 8)
+    here = Graph.somatize(Body() >> Head()).forward(xs)
+    g = Graph.somatize(Body().at("gpu") >> Head())
+    first = g.forward(xs)
+    grp = group()
+    addrs = {n: grp._store.get(f"rpc_prefix_0/addrs/{n}").decode()
+             for n in ("coordinator", runtime_for(g).peers["gpu"].name)}
+    ckpt = os.path.join(os.path.dirname(ready), "trained.pt")
+    _train_and_save(xs, ckpt)
+    from somatize.remote._secret import run_key
+
+    with open(ready + ".tmp", "w") as f:  # the key too, only so that the test scans for it
+        json.dump({"join": grp.join, "pid": os.getpid(), "addrs": addrs, "ckpt": ckpt,
+                   "worker_pid": runtime_for(g).peers["gpu"].pid,
+                   "key": run_key().hex()}, f)
+    os.replace(ready + ".tmp", ready)
+    deadline = time.monotonic() + 120
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    again = g.forward(xs)
+    g.close()
+    print("SAME", torch.equal(first, here) and torch.equal(again, here), flush=True)
+
+
+def _train_and_save(xs, ckpt: str) -> None:
+    from torch.nn.functional import cross_entropy
+
+    from somatize.torch import Split, Trainer, parameters
+
+    g = Graph.somatize(Body().at("gpu") >> Head())
+    trains = {"body": Split(torch.optim.SGD, lr=0.1)}
+    with Trainer(g, cross_entropy, torch.optim.SGD(parameters(g, without=trains), lr=0.1),
+                 trains=trains) as t:
+        t.fit([(xs, torch.tensor([0, 1, 2, 0, 1]))], epochs=1, progress=False)
+        torch.save(t.state_dict(), ckpt)
+
+
+def _record(out: str, what: dict) -> None:
+    with open(out, "w") as f:
+        json.dump(what, f)
+
+
+def _ran(out: str) -> tuple:
+    return (os.system, (f"touch {out}.ran",))
+
+
+def rendezvous(where: str, out: str) -> None:
+    import threading
+
+    import torch.distributed.rpc as rpc
+
+    fn, args = _ran(out)
+    got = {}
+
+    def join():
+        try:
+            rpc.init_rpc("stranger", rank=77, world_size=None,
+                         rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                             init_method=where, rpc_timeout=10, _transports=["uv"]))
+            got["joined"] = True
+            got["call"] = repr(rpc.rpc_sync("coordinator", fn, args=args, timeout=10))
+        except BaseException as e:  # what plain torch answers a stranger
+            got["refused"] = f"{type(e).__name__}: {e}"[:300]
+
+    t = threading.Thread(target=join, daemon=True)
+    t.start()
+    t.join(timeout=25)  # torch's TCPStore client retries for 30 min: a stranger gives up
+    if t.is_alive():
+        got["refused"] = "no join within 25 s: the rendezvous answered nothing torch understands"
+    _record(out, got)
+    os._exit(0)
+
+
+def listener(addr: str, out: str) -> None:
+    import importlib
+
+    import torch.distributed as dist
+    import torch.distributed.rpc as rpc
+    from torch.distributed.rpc.api import _get_current_rpc_agent
+
+    own = dist.HashStore()  # a group of its own, with the target's address written in
+    rdv = importlib.import_module("torch.distributed.rendezvous")
+    rdv.register_rendezvous_handler("own", lambda url, **kw: iter([(own, 0, -1)]))
+    rpc.init_rpc("stranger", rank=0, world_size=None,
+                 rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                     init_method="own://", rpc_timeout=10, _transports=["uv"]))
+    own.set("rpc_prefix_0/addrs/victim", addr)
+    _get_current_rpc_agent()._update_group_membership(
+        rpc.WorkerInfo("victim", 1), [], {}, True)
+    fn, args = _ran(out)
+    got = {}
+    secret = os.path.join(os.path.dirname(out), "only-root-reads")
+    for what, f, a, kw in (("python", fn, args, {}),
+                           ("builtin", torch.add, (torch.ones(2), torch.ones(2)), {}),
+                           ("from_file", torch.from_file, (secret, False, 6),
+                            {"dtype": torch.uint8})):
+        try:
+            got[what] = repr(rpc.rpc_sync("victim", f, args=a, kwargs=kw, timeout=10))
+        except BaseException as e:
+            got[what] = f"{type(e).__name__}: {e}"[:300]
+    _record(out, got)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 3 and sys.argv[-1] == "--as-nobody":
+        os.setgid(65534)
+        os.setuid(65534)
+        sys.argv.pop()
+    globals()[sys.argv[1]](*sys.argv[2:])
