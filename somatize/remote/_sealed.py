@@ -4,7 +4,7 @@ unpickled.
     seal(key)       # each process of the run, before it starts RPC
 
 torch.distributed.rpc pickles a Python call (the function, its arguments) and every
-Python answer with one object, ``torch.distributed.rpc.internal._internal_rpc_pickler``:
+Python answer with one object, its internal ``_internal_rpc_pickler``:
 its ``serialize`` makes the bytes a message carries (tensors travel beside them), and
 its ``deserialize`` is what the receiving process (from C++, through
 ``internal.deserialize``) unpickles them with. Sealing this process wraps both: the

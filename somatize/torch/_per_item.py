@@ -37,6 +37,7 @@ from .._values import Opaque, bare
 from ..store._items import Items, Space
 from ._cached import CachedForward, _refuse_trained_input
 from ._freeze import modules_of
+from ._private import batchnorm_base
 
 CONTEXT = "somatize 2026-12 per-item key v1"
 NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
@@ -49,7 +50,7 @@ def coupled_layers(module: torch.nn.Module) -> list[tuple[str, str]]:
     """The layers of ``module`` that mix the rows of a batch: ``[(path, why)]``."""
     out = []
     for name, m in module.named_modules():
-        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):  # SyncBatchNorm too
+        if isinstance(m, batchnorm_base()):  # SyncBatchNorm too
             if m.training:
                 out.append((name, "is in train mode (it normalises by the batch's statistics)"))
             elif not m.track_running_stats:

@@ -106,6 +106,12 @@ def version(t: torch.Tensor) -> int:
     return t._version
 
 
+def batchnorm_base() -> type:
+    """The base class of every BatchNorm (1d/2d/3d, lazy, SyncBatchNorm): torch exports
+    none publicly."""
+    return _need(torch.nn.modules.batchnorm, "_BatchNorm", "finding layers that mix rows")
+
+
 def rebuild_parameter() -> Any:
     """The function a ``Parameter`` pickles through (``Parameter.__reduce_ex__``'s)."""
     return _need(torch._utils, "_rebuild_parameter", "pickling a placed parameter plainly")
