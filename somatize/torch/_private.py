@@ -77,6 +77,10 @@ def hook_count(module: torch.nn.Module) -> int:
                for attr in _HOOKS)
 
 
+# the instance attribute ``Module.__call__`` calls instead of its own call when set
+ROUTED_CALL = "_compiled_call_impl"
+
+
 def route_calls(module: torch.nn.Module, fn: Any) -> None:
     """Make ``module(...)`` call ``fn(...)`` instead (``None``: its own call again).
 
@@ -84,14 +88,14 @@ def route_calls(module: torch.nn.Module, fn: Any) -> None:
     ``module.compile()`` sets), and ``Module.__getstate__`` drops it: nothing of ``fn``
     reaches a pickle, a deep copy or a checkpoint, and ``type(module)`` stays."""
     if fn is None:
-        module.__dict__.pop("_compiled_call_impl", None)
+        module.__dict__.pop(ROUTED_CALL, None)
     else:
-        module.__dict__["_compiled_call_impl"] = fn
+        module.__dict__[ROUTED_CALL] = fn
 
 
 def routed_to(module: torch.nn.Module) -> Any:
     """What ``module(...)`` is routed to (``None``: its own call)."""
-    return module.__dict__.get("_compiled_call_impl")
+    return module.__dict__.get(ROUTED_CALL)
 
 
 def plainly() -> Any:

@@ -26,7 +26,7 @@ from blake3 import blake3
 
 from .._errors import Refused
 from .._keys import call_state
-from ._private import version
+from ._private import ROUTED_CALL, version
 
 # the device types whose autocast state is part of every key
 _AUTOCAST = ("cpu", "cuda", "xpu", "mps")
@@ -82,9 +82,10 @@ def settings_of(module: torch.nn.Module, where: str,
 
 
 def _ours(k: str, v: Any) -> bool:
-    # a forward installed on the instance (the cache's, a placed module's): code, whose
-    # fingerprint is kept beside the value, not a setting
-    return k == "forward" and callable(v)
+    # a forward installed on the instance (the cache's), or where its calls are routed (a
+    # placed module's, or compile()'s): code, whose fingerprint is kept beside the value,
+    # not a setting
+    return k in ("forward", ROUTED_CALL) and callable(v)
 
 
 def _named(v: Any, name: str, tensors: list, depth: int) -> str:
