@@ -1,5 +1,5 @@
 """What the drop-in route costs a step, in round trips: the classic autoencoder of
-tests/dropin_runs.py trained by plain Lightning and under
+tests/dropin_models.py trained by plain Lightning and under
 ``SomatizeStrategy(place={"encoder": "worker"})`` in one run, side by side, with a bare
 ``rpc_sync`` round trip to the same worker measured in the same run.
 
@@ -43,7 +43,7 @@ import torch.utils.data as tud  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tests"))
 from bench_remote import median_ms  # noqa: E402
-from dropin_runs import AutoEncoder  # noqa: E402
+from dropin_models import AutoEncoder  # noqa: E402
 
 from somatize.lightning import SomatizeStrategy  # noqa: E402
 from somatize.remote import _serve  # noqa: E402
@@ -261,7 +261,7 @@ def main() -> int:
     p, s, rt, g = (statistics.median(r[i] for r in rounds) for i in range(4))
     over = sorted((r[1] - r[0]) / r[2] for r in rounds)  # each round against its own
     print(f"$ {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print(f"autoencoder (tests/dropin_runs.py), batch 16, {args.rounds} rounds of "
+    print(f"autoencoder (tests/dropin_models.py), batch 16, {args.rounds} rounds of "
           f"{args.epochs - 1} timed epochs each; math threads {torch.get_num_threads()}, "
           f"{os.cpu_count()} cores, OMP_WAIT_POLICY {os.environ['OMP_WAIT_POLICY']}, "
           f"load {os.getloadavg()[0]:.2f}")

@@ -1,4 +1,4 @@
-"""Run a coordinator of tests/remote_scripts.py in a process of its own (RPC starts once
+"""Run a coordinator of tests/remote_*_runs.py in a process of its own (RPC starts once
 per process), and what the remote tests ask of the processes they leave behind.
 
     out = coordinate("seeds_graph", cwd=tmp_path)      # its stdout; asserts it exited 0
@@ -10,29 +10,39 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 from scenario import HERE, ROOT, env, scenario
 from scenario import start as _start
 
-SCRIPTS = HERE / "remote_scripts.py"
+SCRIPTS = [HERE / f"remote_{topic}_runs.py" for topic in ("graph", "failure", "standing",
+                                                          "trainer")]
 __all__ = ["HERE", "ROOT", "SCRIPTS", "coordinate", "env", "listening", "no_worker_left",
-           "said", "start"]
+           "said", "script_of", "start"]
+
+
+def script_of(name: str) -> Path:
+    """The script of ``SCRIPTS`` whose coordinator ``name`` is."""
+    for path in SCRIPTS:
+        if f"\ndef {name}(" in path.read_text():
+            return path
+    raise LookupError(f"no coordinator {name!r} in {[p.name for p in SCRIPTS]}")
 
 
 def start(name: str, *args, cwd) -> subprocess.Popen:
-    """``remote_scripts.<name>(*args)`` in a coordinator process of its own, in ``cwd``."""
-    return _start(SCRIPTS, name, *args, cwd=cwd)
+    """``<name>(*args)`` in a coordinator process of its own, in ``cwd``."""
+    return _start(script_of(name), name, *args, cwd=cwd)
 
 
 def coordinate(name: str, *args, cwd, timeout: float = 90, expect_rc: int = 0) -> str:
-    """Run ``remote_scripts.<name>(*args)`` to its end; assert its exit code; answer its
-    stdout."""
-    return scenario(SCRIPTS, name, *args, cwd=cwd, timeout=timeout, expect_rc=expect_rc).stdout
+    """Run ``<name>(*args)`` to its end; assert its exit code; answer its stdout."""
+    return scenario(script_of(name), name, *args, cwd=cwd, timeout=timeout,
+                    expect_rc=expect_rc).stdout
 
 
 def said(name: str, *args, cwd, timeout: float = 120) -> dict:
-    """Run ``remote_scripts.<name>(*args)`` to its end; everything it said (one JSON
-    object a line), in one dict."""
+    """Run ``<name>(*args)`` to its end; everything it said (one JSON object a line), in
+    one dict."""
     got: dict = {}
     for line in coordinate(name, *args, cwd=cwd, timeout=timeout).splitlines():
         got.update(json.loads(line))

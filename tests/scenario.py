@@ -3,7 +3,7 @@ per process: so each multi-process test runs its coordinator as a script of its 
 scenario being one function of that script, named on its command line.
 
     done = scenario("dropin_runs.py", "transformer", out)   # asserts it exited 0
-    proc = start("remote_scripts.py", "interrupted", "forward", pid_file, cwd=tmp_path)
+    proc = start("remote_failure_runs.py", "interrupted", "forward", pid_file, cwd=tmp_path)
     daemon = start("-m", "somatize.worker", "--listen", "127.0.0.1:7000")
 
     if __name__ == "__main__":                              # a scenario script's last lines

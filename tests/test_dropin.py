@@ -1,7 +1,8 @@
 """The drop-in route: unmodified LightningModules (Lightning's own demo Transformer, a
 classic autoencoder, manual optimization, a siamese call) with submodules placed on a
 worker by name, against plain Lightning bit for bit. Each run is a subprocess
-(tests/dropin_runs.py): RPC starts once per process."""
+(tests/dropin_runs.py, which plays those of tests/dropin_*_runs.py): RPC starts once per
+process."""
 
 import pytest
 import torch
@@ -116,7 +117,7 @@ def test_the_copy_here_is_refused_during_fit_and_up_to_date_at_every_epoch_end(r
 # -- refused before the first batch, in this process (nothing starts a worker) ------------
 
 import lightning.pytorch as pl  # noqa: E402
-from dropin_runs import AutoEncoder, digits  # noqa: E402
+from dropin_models import AutoEncoder, digits  # noqa: E402
 from torch import nn  # noqa: E402
 
 from somatize import Refused  # noqa: E402

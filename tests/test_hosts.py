@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from hosts import PREFIX, Hosts, sweep
-from remote_run import ROOT, SCRIPTS, env
+from remote_run import ROOT, env, script_of
 
 MB = 1 << 20
 
@@ -43,9 +43,9 @@ def _stop(daemon) -> None:
 
 
 def _script(host, name: str, *args) -> list[str]:
-    """``remote_scripts.<name>``, its coordinator listening on ``host``'s address, where
+    """``remote_standing_runs.<name>``, its coordinator listening on ``host``'s address, where
     the workers can reach it."""
-    return [sys.executable, str(SCRIPTS), name, host.addr, *map(str, args)]
+    return [sys.executable, str(script_of(name)), name, host.addr, *map(str, args)]
 
 
 def _coordinate(host, name: str, *args, tmp_path: Path, timeout: float = 60) -> str:

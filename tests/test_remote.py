@@ -1,6 +1,6 @@
 """Embedded workers: a stretch of the graph runs in a local worker process, over RPC.
 
-Each test runs its coordinator, a function of tests/remote_scripts.py, in a process of its
+Each test runs its coordinator, a function of tests/remote_graph_runs.py, in a process of its
 own (RPC is initialised once per process).
 """
 
@@ -96,6 +96,6 @@ def test_a_normal_close_says_nothing_on_stderr(tmp_path):
     # a group started again after the last worker left; one left open until exit.
     from scenario import scenario
 
-    r = scenario("remote_scripts.py", "quiet_close", timeout=120, cwd=tmp_path)
+    r = scenario("remote_graph_runs.py", "quiet_close", timeout=120, cwd=tmp_path)
     assert r.stdout.strip() == "done", r.stderr[-4000:]
     assert r.stderr == "", r.stderr[-4000:]

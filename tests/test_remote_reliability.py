@@ -1,6 +1,6 @@
 """Nothing wrong, nothing leaked: a lost worker is named on every later call, a node that
 never leaves here need not pickle, and Ctrl-C stops a run at once, leaving no process.
-The coordinators are functions of tests/remote_scripts.py, each run in a process of its
+The coordinators are functions of tests/remote_failure_runs.py, each run in a process of its
 own."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Training the half that is not here, in a worker process: the same numbers as the
 whole net in one process, bit for bit. Each test runs its coordinator, a function of
-tests/remote_scripts.py, in a process of its own (torch.distributed.rpc is initialised once
+tests/remote_trainer_runs.py, in a process of its own (torch.distributed.rpc is initialised once
 per process) with an embedded worker."""
 
 from __future__ import annotations

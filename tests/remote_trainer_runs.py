@@ -1,0 +1,178 @@
+"""Coordinators for tests/test_trainer_remote.py: the half that is not here, trained in a
+worker, one function each. Each runs in a process of its own (RPC starts once per
+process), as this script's ``__main__``, so a class defined here travels by value, as a
+user's script's would, and those of ``models`` by reference. Each asserts what it can see
+itself and prints the rest for the test to read.
+
+    python tests/remote_trainer_runs.py trained_across
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from models import Body, Head, Pre, batches, same, twins, weights
+from torch.nn.functional import cross_entropy
+
+from somatize import Graph
+from somatize.torch import Split, Trainer, parameters
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _split() -> Split:
+    return Split(torch.optim.SGD, lr=0.1, momentum=0.9)
+
+
+def _placed(g: Graph, hosts: dict[str, str]) -> Graph:
+    """``g``'s nodes, those named in ``hosts`` placed there, as a chain in plan order."""
+    for n, h in hosts.items():
+        g[n].at(h)
+    if len(g.ids) == 1:
+        return Graph.somatize(g[g.roots[0]])
+    expr = g[g.plan.order[0]]
+    for n in g.plan.order[1:]:
+        expr = expr >> g[n]
+    return Graph.somatize(expr)
+
+
+def trained_across() -> None:
+    """Pre >> Body >> Head and Body >> Head, the body trained on a worker: the numbers of
+    the whole graph here, bit for bit; prints "ok <nodes>" for each."""
+    data = batches(10)
+    for build in (lambda: Pre() >> Body(seed=None) >> Head(seed=None),
+                  lambda: Body(seed=None) >> Head(seed=None)):
+        whole, far = twins(build)
+        far = _placed(far, {"body": "gpu"})
+        mine = weights(far)["body"]
+        a = Trainer(whole, cross_entropy, _sgd(parameters(whole)))
+        trains = {"body": _split()}
+        with Trainer(far, cross_entropy, _sgd(parameters(far, without=trains)),
+                     trains=trains) as b:
+            assert [a.step(d) for d in data] == [b.step(d) for d in data]
+            sa, sb = a.state_dict(), b.state_dict()
+            assert same(sa["nodes"], sb["nodes"])  # read over there
+            # the body ran in the worker's process, the rest here; the transpose reached
+            # the trainer the worker has live: its optimizer over there holds momentum,
+            # the copy here never stepped
+            ran = b.where()
+            assert set(ran["body"]) != {os.getpid()} and len(ran["body"]) == 1
+            assert set(ran["head"]) == {os.getpid()}
+            assert sb["trainers"]["body"]["optimizer"]["state"]
+            assert not trains["body"].state_dict()["optimizer"]["state"]
+            # nothing pulled the weights back behind the user's back
+            assert same(weights(far)["body"], mine)
+        print("ok", len(far.ids))
+
+
+def _math_there(live) -> list:
+    return [torch.get_num_threads(), torch.get_float32_matmul_precision(),
+            torch.are_deterministic_algorithms_enabled()]
+
+
+def math_follows() -> None:
+    """The math settings here reach the worker before the step that runs under them
+    (the graph route); prints what the worker had after each step."""
+    g = _placed(Graph.somatize(Body(seed=None) >> Head(seed=None)), {"body": "gpu"})
+    trains = {"body": _split()}
+    with Trainer(g, cross_entropy, _sgd(parameters(g, without=trains)), trains=trains) as t:
+        for (xs, y), (threads, precision, det) in zip(batches(3), [
+                (1, "high", True), (2, "medium", False), (1, "highest", False)], strict=True):
+            torch.set_num_threads(threads)
+            torch.set_float32_matmul_precision(precision)
+            torch.use_deterministic_algorithms(det)
+            t.step((xs, y))
+            print(*t.runtime.call("gpu", _math_there))
+
+
+def by_hand_and_step() -> None:
+    """A hand-written loop here and Trainer.step over a worker give the same losses."""
+    mine, theirs = twins(lambda: Body(seed=None) >> Head(seed=None))
+    body, head = mine["body"].lin, mine["head"].lin
+    opt = _sgd([*body.parameters(), *head.parameters()])
+    by_hand = []
+    for xs, y in batches(10):
+        loss = cross_entropy(head(body(xs).relu()), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        by_hand.append(loss.item())
+    theirs = _placed(theirs, {"body": "gpu"})
+    trains = {"body": _split()}
+    with Trainer(theirs, cross_entropy, _sgd(parameters(theirs, without=trains)),
+                 trains=trains) as t:
+        assert [t.step(b) for b in batches(10)] == by_hand
+
+
+def stop_and_resume() -> None:
+    """Everything trained on the worker, stopped after 3 steps and resumed in a fresh
+    session from the state saved: the numbers of one uninterrupted run here."""
+    data = batches(8)
+
+    def build():
+        return Pre() >> Body(seed=None) >> Head(seed=None)
+
+    whole, far = twins(build)
+    _, again = twins(build)
+    a = Trainer(whole, cross_entropy, _sgd(parameters(whole)))
+    expected = [a.step(d) for d in data]
+
+    def trainer(g):  # everything trained on the worker: no optimizer here
+        g = _placed(g, {"pre": "gpu", "body": "gpu", "head": "gpu"})
+        return Trainer(g, cross_entropy, trains={n: _split() for n in g.ids})
+
+    with trainer(far) as first:
+        got = [first.step(d) for d in data[:3]]
+        saved = first.state_dict()
+    with trainer(again) as resumed:  # a fresh worker session: all from `saved`
+        resumed.load_state_dict(saved)
+        got += [resumed.step(d) for d in data[3:]]
+        assert got == expected
+        assert same(resumed.state_dict()["nodes"], a.state_dict()["nodes"])
+
+
+def nobody_trains_there() -> None:
+    """A frozen body on a worker, the head trained here: a plain step, the same numbers."""
+    from somatize.torch import freeze
+
+    data = batches(6)
+    whole, far = twins(lambda: Body(seed=None).frozen() >> Head(seed=None))
+    far = _placed(far, {"body": "gpu"})
+    freeze(whole), freeze(far)
+    start = weights(far)["head"]
+    a = Trainer(whole, cross_entropy, _sgd(parameters(whole)))
+    with Trainer(far, cross_entropy, _sgd(parameters(far))) as b:
+        assert [a.step(d) for d in data] == [b.step(d) for d in data]
+        assert os.getpid() not in b.where()["body"]  # it ran over there
+    assert same(weights(whole), weights(far))
+    assert not same(weights(far)["head"], start)  # the head trained, here
+
+
+def head_up_to_date() -> None:
+    """step() leaves the head here up to date; fit() steps it while the next stretch
+    computes over there, and ends with the same numbers. Prints WAITED."""
+    data = batches(4)
+    whole, far = twins(lambda: Body(seed=None) >> Head(seed=None))
+    far = _placed(far, {"body": "gpu"})
+    a = Trainer(whole, cross_entropy, _sgd(parameters(whole)))
+    trains = {"body": _split()}
+    with Trainer(far, cross_entropy, _sgd(parameters(far, without=trains)),
+                 trains=trains) as b:
+        for d in data:  # step() on its own: the head here is up to date when it returns
+            assert b.step(d) == a.step(d)
+            assert same(weights(far)["head"], weights(whole)["head"])
+        # inside fit the head's step is taken while the next stretch computes over there
+        assert b.fit(data, progress=False) == [a.step(d) for d in data]
+        assert same(weights(far)["head"], weights(whole)["head"])
+        assert same(b.state_dict()["nodes"], a.state_dict()["nodes"])
+    print("WAITED")
+
+
+if __name__ == "__main__":
+    from scenario import play
+
+    play(globals(), sys.argv)
