@@ -26,6 +26,7 @@ from blake3 import blake3
 
 from .._errors import Refused
 from .._keys import call_state
+from ._private import version
 
 # the device types whose autocast state is part of every key
 _AUTOCAST = ("cpu", "cuda", "xpu", "mps")
@@ -132,12 +133,12 @@ class Watch:
     identity: an equal value set again only costs a new digest)."""
 
     def __init__(self, module: torch.nn.Module, state: list[tuple[str, torch.Tensor]]):
-        self.versions = [(t, t._version) for _, t in state]
+        self.versions = [(t, version(t)) for _, t in state]
         self.seen = _seen(module)
 
     def changed(self, module: torch.nn.Module) -> bool:
         """Whether the module may compute differently than when this watch was set."""
-        return any(t._version != v for t, v in self.versions) or not _same(
+        return any(version(t) != v for t, v in self.versions) or not _same(
             _seen(module), self.seen)
 
 
