@@ -100,7 +100,7 @@ def traceback_there() -> None:
 def placed_lost() -> None:
     """A placed module's worker killed in the middle of a Lightning fit."""
     import lightning.pytorch as pl
-    from dropin_runs import AutoEncoder, digits, fit
+    from dropin_models import AutoEncoder, digits, fit
 
     from somatize.lightning import SomatizeStrategy
 

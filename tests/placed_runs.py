@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from dropin_runs import digits, fit  # noqa: E402
+from dropin_models import digits, fit  # noqa: E402
 
 from somatize.lightning import SomatizeStrategy  # noqa: E402
 

@@ -2,16 +2,20 @@
 per layer (``lightning/_private.py``, ``torch/_private.py``, ``remote/_private.py``),
 pinned here on the installed versions, and found nowhere else in the package."""
 
+import importlib
 import re
 from pathlib import Path
 
 import lightning
 import lightning.pytorch as pl
 import pytest
+import torch
 from lightning.pytorch.strategies import SingleDeviceStrategy
 
-from somatize import SomatizeError
+from somatize import SomatizeError, WorkerError
 from somatize.lightning import _private
+from somatize.remote import _private as remote_private
+from somatize.torch import _private as torch_private
 
 PACKAGE = Path(__file__).resolve().parent.parent / "somatize"
 HOMES = {"lightning/_private.py", "torch/_private.py", "remote/_private.py"}
@@ -19,9 +23,6 @@ HOMES = {"lightning/_private.py", "torch/_private.py", "remote/_private.py"}
 # known offenders still to move into their layer's home (by the helpers named): the lead
 # empties this list after merging, and each entry must still be needed (see below)
 STILL_TO_MOVE = {
-    "remote/_group.py": "the RPC agent (wt20)",
-    "remote/_membership.py": "the RPC group surgery (wt20)",
-    "remote/_wire.py": "torch._C's PyRRef (wt20)",
 }
 
 PRIVATE = [
@@ -99,3 +100,35 @@ def test_a_private_name_gone_from_lightning_is_named_with_the_version():
     with pytest.raises(SomatizeError, match=rf"Lightning {re.escape(lightning.__version__)} "
                                             r"has no Trainer._accelerator_connector"):
         _private.devices_asked(Bare())
+
+
+def _owner(path: str):
+    # a module, or a class in one ("torch.distributed.rpc.TensorPipeAgent")
+    try:
+        return importlib.import_module(path)
+    except ImportError:
+        module, _, name = path.rpartition(".")
+        return getattr(importlib.import_module(module), name)
+
+
+def test_every_private_rpc_name_relied_on_exists_on_the_installed_torch():
+    for owner, name in remote_private.NAMES:
+        assert hasattr(_owner(owner), name), (owner, name, torch.__version__)
+    p = remote_private.rpc_pickler()
+    assert callable(p.serialize) and callable(p.deserialize)
+
+
+def test_a_private_name_gone_from_torch_rpc_is_named_with_the_version():
+    with pytest.raises(WorkerError, match=rf"torch {re.escape(torch.__version__)} has no "
+                                          r"torch\.distributed\.rpc\.api\._get_current_rpc_agent"):
+        remote_private._need(object(), "torch.distributed.rpc.api", "_get_current_rpc_agent",
+                             "the members of the group")
+
+
+def test_a_tensors_version_counter_is_read_as_torch_keeps_it():
+    t = torch.zeros(3)
+    before = torch_private.version(t)
+    t.add_(1)
+    assert torch_private.version(t) == before + 1
+    t.add(1)  # not in place: no write to t
+    assert torch_private.version(t) == before + 1

@@ -24,7 +24,7 @@ import weakref
 from dataclasses import dataclass, field
 
 from .._errors import WorkerError
-from . import _membership, _sealed, _secret
+from . import _membership, _private, _sealed, _secret
 from ._death import why_exited
 from ._settings import COORDINATOR, _started, backend_options, keep_on_loopback, loopback, settings
 from ._spawn import ask_daemon, spawn, warm
@@ -112,9 +112,7 @@ class Group:
             log.debug("RPC group started (%s)", self.join or "torchrun")
 
     def names(self) -> set[str]:
-        from torch.distributed.rpc.api import _get_current_rpc_agent
-
-        return {w.name for w in _get_current_rpc_agent().get_worker_infos()}
+        return {w.name for w in _private.worker_infos()}
 
     # -- workers ------------------------------------------------------------------
     def peer(self, host: str, spec: Worker) -> Peer:
@@ -154,9 +152,7 @@ class Group:
                 "started by torchrun: call somatize.remote.serve_if_worker() first thing in "
                 "the script, and launch it with torchrun --nproc-per-node=N"
             )
-        from torch.distributed.rpc.api import _get_current_rpc_agent
-
-        by_rank = {w.id: w.name for w in _get_current_rpc_agent().get_worker_infos()}
+        by_rank = {w.id: w.name for w in _private.worker_infos()}
         if spec.torchrun_rank not in by_rank:
             raise WorkerError(
                 f"host {host!r} is served by rank {spec.torchrun_rank}, but the run has ranks "

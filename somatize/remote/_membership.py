@@ -16,6 +16,7 @@ import logging
 import time
 
 from .._errors import WorkerError
+from . import _private
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +67,7 @@ def expect_closed_pipes(timeout: float) -> None:
     right after joining, and lists itself again. It still serves and calls as before; a
     peer that is lost is said by our errors, which name it.
     """
-    from torch.distributed.rpc.api import _get_current_rpc_agent
-
-    agent = _get_current_rpc_agent()
+    agent = _private.current_agent()
     me, store = agent.get_worker_info(), agent.store
     # the token torch's joins and leaves hold, so none happens meanwhile; waited for by
     # polling, not store.wait: a member waiting must still answer the joiner
@@ -90,10 +89,9 @@ def expect_closed_pipes(timeout: float) -> None:
 def forget(name: str) -> None:
     """Take a dead member out of this agent's view, so calls to it fail at once."""
     try:
-        from torch.distributed.rpc.api import _get_current_rpc_agent
-
-        agent = _get_current_rpc_agent()
-        agent._update_group_membership(agent.get_worker_info(name), [], {}, False)
+        _private.forget_member(name)
+    except WorkerError:  # torch changed: said, not swallowed
+        raise
     except Exception as e:  # it may never have joined
         log.debug("forgetting %r: %s", name, e)
 

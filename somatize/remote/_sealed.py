@@ -4,7 +4,7 @@ unpickled.
     seal(key)       # each process of the run, before it starts RPC
 
 torch.distributed.rpc pickles a Python call (the function, its arguments) and every
-Python answer with one object, its internal ``_internal_rpc_pickler``:
+Python answer with one object, torch's internal RPC pickler (``_private.rpc_pickler()``):
 its ``serialize`` makes the bytes a message carries (tensors travel beside them), and
 its ``deserialize`` is what the receiving process (from C++, through
 ``internal.deserialize``) unpickles them with. Sealing this process wraps both: the
@@ -21,6 +21,8 @@ import hashlib
 import hmac
 import logging
 
+from . import _private
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"SMZ1"
@@ -35,9 +37,7 @@ class NotOfThisRun(AttributeError):
 
 def seal(key: bytes) -> None:
     """Make this process's RPC pickler MAC what it sends and check what it receives."""
-    from torch.distributed.rpc import internal
-
-    p = internal._internal_rpc_pickler
+    p = _private.rpc_pickler()
     cls = type(p)
 
     def serialize(obj):
@@ -62,6 +62,4 @@ def seal(key: bytes) -> None:
 
 def sealed() -> bool:
     """Whether this process's RPC pickler is sealed."""
-    from torch.distributed.rpc import internal
-
-    return "serialize" in vars(internal._internal_rpc_pickler)
+    return "serialize" in vars(_private.rpc_pickler())

@@ -79,7 +79,7 @@ def _read_only_elsewhere(graph, n: str, inside: set[str], host: str) -> bool:
 
 def resolve(value: Any) -> Any:
     """A value handed to a stretch: an RRef is fetched from its owner, straight to here."""
-    from torch._C._distributed_rpc import PyRRef  # what an RRef arrives as
+    from torch.distributed.rpc import PyRRef  # what an RRef arrives as, as rpc exports it
 
     return value.to_here() if isinstance(value, PyRRef) else value
 
