@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from remote_run import SCRIPTS, coordinate, env, no_worker_left
+from remote_run import coordinate, env, no_worker_left, script_of
 
 
 def _free_port() -> int:
@@ -106,7 +106,8 @@ def test_a_standing_worker_refuses_a_coordinator_with_another_token(tmp_path):
     try:
         assert _listening(port, time.monotonic() + 30), "the daemon never listened"
         wrong = subprocess.run(
-            [sys.executable, str(SCRIPTS), "nobody_standing", f"127.0.0.1:{port}"],
+            [sys.executable, str(script_of("nobody_standing")), "nobody_standing",
+             f"127.0.0.1:{port}"],
             env={**env(), "SOMATIZE_TOKEN": "not-the-workers-token-2"}, cwd=tmp_path,
             capture_output=True, text=True, timeout=90)
         assert "do not hold the same token" in wrong.stdout, wrong.stdout + wrong.stderr
@@ -115,7 +116,7 @@ def test_a_standing_worker_refuses_a_coordinator_with_another_token(tmp_path):
         assert "run joined" not in log.read_text()  # nothing was started for it
         # and the right token is served on, by the same daemon
         right = subprocess.run(
-            [sys.executable, str(SCRIPTS), "standing", f"127.0.0.1:{port}"],
+            [sys.executable, str(script_of("standing")), "standing", f"127.0.0.1:{port}"],
             env={**env(), "SOMATIZE_TOKEN": "the-workers-own-token-1"}, cwd=tmp_path,
             capture_output=True, text=True, timeout=90)
         assert right.returncode == 0 and "PID" in right.stdout, right.stderr[-3000:]
@@ -139,7 +140,7 @@ def test_a_standing_worker_started_without_a_token_makes_one_only_its_owner_read
         assert len(token) == 64 and token not in log.read_text()
         assert str(path) in log.read_text()
         r = subprocess.run(  # a coordinator given a copy of the file is served
-            [sys.executable, str(SCRIPTS), "standing", f"127.0.0.1:{port}"],
+            [sys.executable, str(script_of("standing")), "standing", f"127.0.0.1:{port}"],
             env={**e, "SOMATIZE_TOKEN_FILE": str(path)}, cwd=tmp_path,
             capture_output=True, text=True, timeout=90)
         assert r.returncode == 0 and "PID" in r.stdout, r.stderr[-3000:]

@@ -11,7 +11,7 @@ import tempfile
 import time
 
 import pytest
-from remote_run import HERE, env
+from remote_run import HERE, env, script_of
 
 RUNS = HERE / "secret_runs.py"
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user (root only)")
@@ -89,7 +89,7 @@ def _listening_addrs(out):
 
 def test_tp_socket_ifname_never_widens_a_loopback_run(tmp_path):
     wide = next(n for _, n in __import__("socket").if_nameindex() if not n.startswith("lo"))
-    r = subprocess.run([sys.executable, str(HERE / "remote_scripts.py"), "loopback_only"],
+    r = subprocess.run([sys.executable, str(script_of("loopback_only")), "loopback_only"],
                        env={**env(), "TP_SOCKET_IFNAME": wide}, cwd=tmp_path,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
