@@ -23,19 +23,11 @@ from .store import Store
 from .store import _items_care as items
 
 
-def _size(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def _ls(store: Store, prefix: str) -> int:
     for e in store.entries(prefix):
         fp = e.meta.get("fingerprint")
         fp = blake3(fp.encode()).hexdigest()[:12] if fp else "-"
-        print(f"{e.name}\t{_size(e.size)}\tnode={e.meta.get('node', '-')}\t"
+        print(f"{e.name}\t{items.size_text(e.size)}\tnode={e.meta.get('node', '-')}\t"
               f"class={e.meta.get('class', '-')}\tcode={fp}\tblob={e.blob[:12]}")
     for line in items.ls_lines(store.path):
         print(line)
@@ -50,10 +42,11 @@ def _du(store: Store) -> int:
     tmp = [p.stat().st_size for p in (store.path / "tmp").glob("*")] if (
         store.path / "tmp").is_dir() else []
     files, on_disk = disk_used(store.path)
-    print(f"{store.path}: {len(blobs)} blobs, {_size(sum(blobs.values()))}; "
+    print(f"{store.path}: {len(blobs)} blobs, {items.size_text(sum(blobs.values()))}; "
           f"{len(entries)} names; unreferenced {len(blobs) - len(used & set(blobs))} blobs, "
-          f"{_size(free)}; leftovers {len(tmp)} files, {_size(sum(tmp))} (gc frees both); "
-          f"on disk {_size(on_disk)} in {files} files (whole blocks, names and all)")
+          f"{items.size_text(free)}; leftovers {len(tmp)} files, "
+          f"{items.size_text(sum(tmp))} (gc frees both); "
+          f"on disk {items.size_text(on_disk)} in {files} files (whole blocks, names and all)")
     per_item = items.du_line(store.path)
     if per_item:
         print(per_item)
@@ -129,7 +122,7 @@ def _gc(store: Store, dry_run: bool, grace: float = 3600.0) -> int:
     r, f = items.gc(items.Items(store.path), grace=grace, dry_run=dry_run)
     removed, freed = removed + r, freed + f
     print(f"{store.path}: {'would remove' if dry_run else 'removed'} {removed} files, "
-          f"{_size(freed)}")
+          f"{items.size_text(freed)}")
     return 0
 
 

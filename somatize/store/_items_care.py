@@ -139,7 +139,8 @@ def gc(items: Items, grace: float = 3600.0, dry_run: bool = False) -> tuple[int,
 
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
+    """``n`` bytes as the store's commands say them (``512 B``, ``1.5 MB``)."""
     for unit in ("B", "KB", "MB", "GB"):
         if n < 1024 or unit == "GB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -149,7 +150,7 @@ def _size(n: float) -> str:
 
 def ls_lines(path) -> list[str]:
     """``somatize store ls``: a line per module kept per item."""
-    return [f"items/{u.key}\t{u.items} items in {u.packs} packs\t{_size(u.bytes)}\t"
+    return [f"items/{u.key}\t{u.items} items in {u.packs} packs\t{size_text(u.bytes)}\t"
             f"module={u.module}\tclass={u.kind}" for u in spaces(Items(path))]
 
 
@@ -159,8 +160,8 @@ def du_line(path) -> str | None:
     if not uses:
         return None
     return (f"{path}: per item: {len(uses)} modules, {sum(u.items for u in uses)} items in "
-            f"{sum(u.packs for u in uses)} packs, {_size(sum(u.bytes for u in uses))} kept, "
-            f"{_size(sum(u.disk for u in uses))} on disk")
+            f"{sum(u.packs for u in uses)} packs, {size_text(sum(u.bytes for u in uses))} kept, "
+            f"{size_text(sum(u.disk for u in uses))} on disk")
 
 
 def drop(path, which: str) -> list[str]:
