@@ -18,8 +18,11 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from forks import Forks, forkable
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
+FORKS = os.environ.get("SOMATIZE_TEST_FORKS", "1") != "0"  # 0: a fresh interpreter each time
 
 
 def env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
@@ -47,9 +50,17 @@ def scenario(script: str | Path, *args, cwd: str | Path = ROOT, timeout: float =
              expect_rc: int | None = 0, environ: Mapping[str, str] | None = None
              ) -> subprocess.CompletedProcess:
     """Run ``script args...`` to its end in a fresh process; assert its exit code (unless
-    ``expect_rc`` is None); answer it, stdout and stderr as text."""
-    done = subprocess.run(command(script, *args), capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=dict(environ) if environ else env())
+    ``expect_rc`` is None); answer it, stdout and stderr as text. The process is forked
+    from a warm one that has imported torch and Lightning (tests/forks.py) where it can
+    be, so that each scenario does not pay for those imports again."""
+    argv = command(script, *args)
+    environ = dict(environ) if environ else env()
+    warm = Forks.get(env()) if FORKS and forkable(argv[1:], environ, env()) else None
+    if warm is not None:
+        done = warm.run(argv[1:], cwd, environ, timeout)
+    else:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=cwd,
+                              env=environ)
     if expect_rc is not None:
         assert done.returncode == expect_rc, (
             f"{Path(script).name} {' '.join(map(str, args))}: exit code {done.returncode}, "
@@ -59,12 +70,20 @@ def scenario(script: str | Path, *args, cwd: str | Path = ROOT, timeout: float =
 
 
 def start(script: str | Path, *args, cwd: str | Path = ROOT,
-          environ: Mapping[str, str] | None = None, **popen: object) -> subprocess.Popen:
+          environ: Mapping[str, str] | None = None, **popen: object):
     """``script args...`` started in a process of its own (stdout and stderr piped, as
-    text, unless ``popen`` says otherwise); the caller waits for it, with a timeout."""
+    text, unless ``popen`` says otherwise); the caller waits for it, with a timeout. A
+    Popen, or where it can be forked from the warm process (tests/forks.py), a ``Forked``,
+    which answers as one."""
     popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen}
-    return subprocess.Popen(command(script, *args), cwd=cwd,
-                            env=dict(environ) if environ else env(), **popen)
+    argv = command(script, *args)
+    environ = dict(environ) if environ else env()
+    if FORKS and set(popen) <= {"stdout", "stderr", "text"} and forkable(argv[1:], environ,
+                                                                          env()):
+        warm = Forks.get(env())
+        if warm is not None:
+            return warm.start(argv[1:], cwd, environ, **popen)
+    return subprocess.Popen(argv, cwd=cwd, env=environ, **popen)
 
 
 def play(namespace: Mapping[str, object], argv: list[str] | None = None) -> None:

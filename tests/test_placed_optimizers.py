@@ -7,17 +7,15 @@ fit returns complete; the private torch names the placed route relies on, pinned
 import contextlib
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
 from models import same
+from scenario import scenario, start
 
 from somatize.torch import _private
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = os.path.join(ROOT, "tests", "placed_optimizer_runs.py")
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+RUNS = "placed_optimizer_runs.py"
 
 OPTIMIZERS = ["SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta",
               "RMSprop", "Rprop", "ASGD", "Adafactor", "Muon", "SignSGD"]
@@ -29,9 +27,7 @@ def ran(tmp_path_factory):
     """Every run in one process (one worker, kept across fits): a case's results by name."""
     where = tmp_path_factory.mktemp("placed_optimizers")
     cases = [f"optimizers:{','.join(OPTIMIZERS)}", "refused", "after_fit"]
-    done = subprocess.run([sys.executable, RUNS, "many", str(where / "many.pt"), *cases],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
+    scenario(RUNS, "many", where / "many.pt", *cases, timeout=900)
     return lambda case: torch.load(where / f"{case}.pt", weights_only=False)
 
 
@@ -84,9 +80,7 @@ def test_lightning_hydra_templates_module_unmodified_checkpoints_plain_lightning
     # MNISTLitModule's behaviour (tests/placed_optimizer_runs.py: TemplateModule), net.model
     # placed, checkpointed every epoch: last.ckpt's weights, optimizer states and the net
     # kept in hyper_parameters equal plain's
-    done = subprocess.run([sys.executable, RUNS, "template", str(tmp_path / "template.pt")],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
+    scenario(RUNS, "template", tmp_path / "template.pt", timeout=600)
     got = torch.load(tmp_path / "template.pt", weights_only=False)
     assert got["split"]["said"] == got["plain"]["said"] == ""
     plain, split = got["plain"]["ckpt"], got["split"]["ckpt"]
@@ -187,9 +181,7 @@ def test_ctrl_c_at_any_moment_of_a_placed_fit_ends_every_process_within_ten_seco
             for k in range(first, min(first + at_once, tries)):
                 out = tmp_path / f"interrupted-{k}.pt"
                 marker = tmp_path / f"interrupted-{k}.pt.started"  # after the first batch
-                proc = subprocess.Popen([sys.executable, RUNS, "interrupted", str(out)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        text=True, cwd=ROOT, env=ENV)
+                proc = start(RUNS, "interrupted", out, stdout=subprocess.DEVNULL)
                 started.append(proc)
                 running.append((k, proc, marker, rng.uniform(0.0, 1.5)))
             for k, proc, marker, delay in running:

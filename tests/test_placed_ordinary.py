@@ -7,21 +7,17 @@ subprocess (tests/placed_runs.py), against plain Lightning bit for bit."""
 import collections
 import dataclasses
 import itertools
-import os
 import pickle
-import subprocess
-import sys
 
 import pytest
 import torch
+from scenario import scenario
 
 from somatize import WorkerError
 from somatize.torch._raised import caught, rebuilt
 from somatize.torch._tree import tree_flatten, tree_unflatten
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = os.path.join(ROOT, "tests", "placed_runs.py")
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+RUNS = "placed_runs.py"
 pytestmark = pytest.mark.timeout(1500)  # one process runs every case (RPC starts once)
 CASES = ["outputs", "raises", "attributes", "side", "cache", "pickles", "readers", "compiled"]
 
@@ -29,9 +25,7 @@ CASES = ["outputs", "raises", "attributes", "side", "cache", "pickles", "readers
 @pytest.fixture(scope="module")
 def ran(tmp_path_factory):
     where = tmp_path_factory.mktemp("placed")
-    done = subprocess.run([sys.executable, RUNS, "many", str(where / "all.pt"), *CASES],
-                          capture_output=True, text=True, timeout=900, cwd=ROOT, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
+    scenario(RUNS, "many", where / "all.pt", *CASES, timeout=900)
     return lambda case: torch.load(where / f"{case}.pt", weights_only=False)
 
 

@@ -1,0 +1,103 @@
+"""The warm start of scenario processes (tests/forks.py): a scenario forked from the warm
+process sees what the same script run by a fresh interpreter sees (arguments, working
+directory, environment, import path, standard streams, ``__main__``), ends as one does
+(exit code, signals, a timeout), and runs in a fresh interpreter whenever its
+environment changes what the warm process's imports read."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from forks import Forked, Forks, forkable
+from scenario import command, env
+
+SCRIPT = '''import json, os, sys
+import torch
+
+
+class Kept:  # pickled by reference to __main__, as a script's own class is
+    pass
+
+
+def main():
+    import pickle
+    assert pickle.loads(pickle.dumps(Kept())).__class__ is Kept
+    json.dump({"argv": sys.argv, "cwd": os.getcwd(), "name": __name__,
+               "main": sys.modules["__main__"].__file__, "path": sys.path[:3],
+               "env": os.environ.get("SCENARIO_WORD"), "stdin": sys.stdin.read(),
+               "threads": torch.get_num_threads(), "somatize": "somatize" in sys.modules,
+               "pid": os.getpid()}, sys.stdout)
+    print("to stderr", file=sys.stderr)
+    sys.exit(int(os.environ.get("SCENARIO_EXIT", "0")))
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "script.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def fresh(script, *args, environ, cwd):
+    return subprocess.run(command(script, *args), capture_output=True, text=True, cwd=cwd,
+                          env=environ, timeout=120, stdin=subprocess.DEVNULL)
+
+
+def test_a_forked_scenario_sees_and_says_what_a_fresh_interpreter_does(script, tmp_path):
+    warm = Forks.get(env())
+    assert warm is not None
+    environ = env(SCENARIO_WORD="forty-two", SCENARIO_EXIT="3")
+    done = warm.run([str(script), "a", "b c"], tmp_path, environ, timeout=120)
+    ref = fresh(script, "a", "b c", environ=environ, cwd=tmp_path)
+    got, want = json.loads(done.stdout), json.loads(ref.stdout)
+    assert got["pid"] not in (os.getpid(), warm.proc.pid)
+    got.pop("pid"), want.pop("pid")
+    assert got == want
+    assert want["argv"] == [str(script), "a", "b c"] and want["env"] == "forty-two"
+    assert want["somatize"] is False  # never imported before the script asks for it
+    assert (done.returncode, done.stderr) == (ref.returncode, ref.stderr) == (3, "to stderr\n")
+
+
+def test_a_forked_scenario_ends_as_a_process_does(script, tmp_path):
+    warm = Forks.get(env())
+    slow = tmp_path / "slow.py"
+    slow.write_text("import time, sys\nprint('up', flush=True)\ntime.sleep(60)\n")
+    ended = []
+    for proc in (warm.start([str(slow)], tmp_path, env()),
+                 subprocess.Popen(command(slow), cwd=tmp_path, env=env(), text=True,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)):
+        assert proc.stdout.readline() == "up\n"
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        ended.append((type(proc), proc.returncode, err.splitlines()[-1]))
+    assert ended == [(Forked, -signal.SIGINT, "KeyboardInterrupt"),
+                     (subprocess.Popen, -signal.SIGINT, "KeyboardInterrupt")]
+    proc = warm.start([str(slow)], tmp_path, env())
+    proc.kill()
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    began = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        warm.run([str(slow)], tmp_path, env(), timeout=2)
+    assert time.monotonic() - began < 30
+
+
+def test_what_the_warm_processs_imports_read_is_never_forked_otherwise(script, tmp_path):
+    # OMP_NUM_THREADS is read when torch is imported: a scenario setting it otherwise gets
+    # an interpreter of its own, and the threads it asked for
+    argv = [str(script)]
+    assert forkable(argv, env(), env())
+    assert not forkable(argv, env(OMP_NUM_THREADS="1"), env())
+    assert not forkable(["-m", "somatize.worker"], env(), env())
+    from scenario import scenario
+
+    done = scenario(script, cwd=tmp_path, environ=env(OMP_NUM_THREADS="1"))
+    assert json.loads(done.stdout)["threads"] == 1
