@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import _holes
-from ._errors import ContractError, Lost, MissingInput, WorkerError
+from ._errors import ContractError, Lost, MissingInput, check_workers
 from ._learning import Learning
 from ._memory import cacheable, check_settled
 from ._naming import cached_here, keep, look_up, naming
@@ -261,10 +261,7 @@ def run_graph(graph, input, *, store=None, workers=None, feeds=None, training=Fa
         cacheable(graph)
     check_settled(graph)
     keeper = _holes.keeper(store)
-    if workers is not None and not isinstance(workers, Mapping):
-        raise WorkerError(f"workers= takes a dict {{host: Worker}}, not a "
-                          f"{type(workers).__name__}: e.g. workers={{'gpu': "
-                          "Worker.at('127.0.0.1:7000')}}")
+    check_workers(workers)
     remote = None
     if graph.placement.hosts:
         remote = _holes.transport().runtime_for(graph, workers)

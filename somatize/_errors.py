@@ -42,6 +42,17 @@ class WorkerError(SomatizeError):
     """A worker died, timed out, or raised inside a node over there."""
 
 
+def check_workers(workers: object) -> None:
+    """Refuse ``workers=`` that is not a ``{host: Worker}`` mapping (None is fine): the one
+    check behind ``Graph.forward``, ``Step``, ``Session`` and the runtime."""
+    from collections.abc import Mapping
+
+    if workers is not None and not isinstance(workers, Mapping):
+        raise WorkerError(f"workers= takes a dict {{host: Worker}}, not a "
+                          f"{type(workers).__name__}: e.g. workers={{'gpu': "
+                          "Worker.at('127.0.0.1:7000')}}")
+
+
 class NoGradient(SomatizeError):
     """Local parameters got no gradient in a backward pass."""
 

@@ -29,6 +29,16 @@ def test_workers_that_is_not_a_dict_says_what_to_give():
                 trains=trains, workers=42)
     with pytest.raises(WorkerError, match=r"workers\['gpu'\] is a int: give a Worker"):
         g.forward(x, workers={"gpu": 42})
+    # the same words from every door: the Session, the runtime, the staged Step
+    from somatize.remote._runtime import runtime_for
+    from somatize.torch._session import Session
+    from somatize.torch._step import Step
+
+    for door in (lambda: Session(g, workers=[1]), lambda: runtime_for(g, [1]),
+                 lambda: Step(g, workers=[1])):
+        with pytest.raises(WorkerError, match=r"workers= takes a dict \{host: Worker\}, not "
+                                              r"a list: e\.g\. workers=\{'gpu'"):
+            door()
     assert not group().started  # refused before any process was started
     g.close()
 

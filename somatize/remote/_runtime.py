@@ -359,10 +359,7 @@ _held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def runtime_for(graph, workers: Mapping[str, Any] | None = None) -> Runtime:
     """The runtime of ``graph`` (held for it, so a second forward reuses its workers)."""
-    if workers is not None and not isinstance(workers, Mapping):
-        raise WorkerError(f"workers= takes a dict {{host: Worker}}, not a "
-                          f"{type(workers).__name__}: e.g. workers={{'gpu': "
-                          "Worker.at('127.0.0.1:7000')}}")
+    _errors.check_workers(workers)
     rt = _held.get(graph)
     if rt is not None and not rt.closed and (not workers or dict(workers) == rt.workers):
         return rt

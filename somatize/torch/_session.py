@@ -19,17 +19,9 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from .. import _holes
-from .._errors import Refused, WorkerError
+from .._errors import Refused, WorkerError, check_workers
 from .._graph import Graph
 from ._math import math_flags, set_math_live
-
-
-def check_workers(workers: Any) -> None:
-    """Refuse ``workers=`` that is not a ``{host: Worker}`` mapping (None is fine)."""
-    if workers is not None and not isinstance(workers, Mapping):
-        raise WorkerError(f"workers= takes a dict {{host: Worker}}, not a "
-                          f"{type(workers).__name__}: e.g. workers={{'gpu': "
-                          "Worker.at('127.0.0.1:7000')}}")
 
 
 def refuse_devices(asked: Any, devices: int, nodes: int) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .._engine import Outcome, output, walk
-from .._errors import NoGradient, Refused
+from .._errors import NoGradient, Refused, check_workers
 from .._graph import Graph
 from .._learning import IN, Envelope, Learning, Position, around, node_of
 from .._memory import params_of
@@ -33,7 +33,7 @@ from .._stages import stages
 from .._trace import span
 from .._values import Opaque, bare
 from ._refuse import refuse, settle
-from ._session import Session, check_workers
+from ._session import Session
 from ._split import narrowed
 from ._trainer_calls import (
     _feeds_back,
@@ -68,7 +68,7 @@ class Step:
                  optimizers: Iterable[torch.optim.Optimizer] = (), defer: bool = True,
                  micro_batches: int = 1):
         self.graph = graph
-        check_workers(workers)
+        check_workers(workers)  # before anything else is refused or settled
         self.trains: dict[str, Learning] = dict(trains or {})
         optimizers = [o for o in optimizers if o is not None]
         refuse(graph, self.trains, optimizers)
