@@ -17,8 +17,8 @@ from scenario import start as _start
 
 SCRIPTS = [HERE / f"remote_{topic}_runs.py" for topic in ("graph", "failure", "standing",
                                                           "trainer")]
-__all__ = ["HERE", "ROOT", "SCRIPTS", "coordinate", "env", "listening", "no_worker_left",
-           "said", "script_of", "start"]
+__all__ = ["HERE", "ROOT", "SCRIPTS", "coordinate", "env", "listeners", "listening",
+           "no_worker_left", "said", "script_of", "start"]
 
 
 def script_of(name: str) -> Path:
@@ -62,8 +62,9 @@ def no_worker_left(pids) -> bool:
     return True
 
 
-def listening(pid) -> list[str]:
-    """The addresses (hex, as /proc/net/tcp writes them) process ``pid`` listens on."""
+def listeners(pid, protos: tuple[str, ...] = ("tcp", "tcp6")) -> list[tuple[str, int]]:
+    """The sockets process ``pid`` listens on (/proc, as ``ss -ltnp`` reads them): each
+    its address (hex, as /proc/net/tcp writes it) and port."""
     mine = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
         try:
@@ -73,11 +74,17 @@ def listening(pid) -> list[str]:
         if target.startswith("socket:["):
             mine.add(target[len("socket:["):-1])
     out = []
-    for proto in ("tcp", "tcp6"):
+    for proto in protos:
         with open(f"/proc/{pid}/net/{proto}") as f:
             for line in f.readlines()[1:]:
                 fields = line.split()
                 if fields[3] == "0A" and fields[9] in mine:  # 0A: LISTEN
-                    out.append(fields[1].split(":")[0])
+                    addr, port = fields[1].split(":")
+                    out.append((addr, int(port, 16)))
     return out
+
+
+def listening(pid) -> list[str]:
+    """The addresses (hex, as /proc/net/tcp writes them) process ``pid`` listens on."""
+    return [addr for addr, _ in listeners(pid)]
 

@@ -11,7 +11,7 @@ import tempfile
 import time
 
 import pytest
-from remote_run import HERE, env, script_of
+from remote_run import HERE, env, listeners, script_of
 
 RUNS = HERE / "secret_runs.py"
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="acts as another user (root only)")
@@ -129,21 +129,6 @@ def test_the_secret_is_in_no_log_command_line_or_checkpoint(tmp_path):
     assert "SAME True" in stdout
 
 
-def _ports(pid) -> list[int]:
-    """The TCP ports process ``pid`` listens on (/proc, as ``ss -ltnp`` reads it)."""
-    mine = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            t = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if t.startswith("socket:["):
-            mine.add(t[len("socket:["):-1])
-    with open(f"/proc/{pid}/net/tcp") as f:
-        return sorted(int(x[1].split(":")[1], 16) for x in map(str.split, f.readlines()[1:])
-                      if x[3] == "0A" and x[9] in mine)
-
-
 def test_junk_on_a_tensorpipe_listener_still_aborts_the_process(tmp_path):
     # what sealing cannot protect, measured (docs/security.md): TensorPipe reads a length
     # from whoever connects and allocates it before anything of ours runs
@@ -151,7 +136,7 @@ def test_junk_on_a_tensorpipe_listener_still_aborts_the_process(tmp_path):
 
     proc, ready, go = _target(tmp_path)
     gate = int(ready["join"].rsplit(":", 1)[1])
-    ports = [p for p in _ports(ready["pid"]) if p != gate]
+    ports = sorted(p for _, p in listeners(ready["pid"], ("tcp",)) if p != gate)
     assert len(ports) >= 5  # TensorPipe listens on many ports, each open to any peer
     died = None
     for port in ports:
