@@ -56,6 +56,13 @@ class Forks:
 
     @classmethod
     def get(cls, environ: dict[str, str]) -> Forks | None:
+        """The warm process, started now if there is none or it has ended; None when one
+        could not be started (each scenario then starts an interpreter of its own)."""
+        if cls._one is not None and cls._one.proc.poll() is not None:
+            print(f"tests/forks.py: the warm process ended (exit code "
+                  f"{cls._one.proc.returncode}); starting another", file=sys.stderr)
+            cls._one.close()
+            cls._one = None
         if cls._one is None and not cls._failed:
             try:
                 cls._one = cls(environ)

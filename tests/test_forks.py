@@ -101,3 +101,13 @@ def test_what_the_warm_processs_imports_read_is_never_forked_otherwise(script, t
 
     done = scenario(script, cwd=tmp_path, environ=env(OMP_NUM_THREADS="1"))
     assert json.loads(done.stdout)["threads"] == 1
+
+
+def test_a_warm_process_that_ended_is_started_again(script, tmp_path):
+    first = Forks.get(env())
+    first.proc.kill()
+    first.proc.wait(timeout=30)
+    second = Forks.get(env())
+    assert second is not None and second is not first and second.proc.poll() is None
+    done = second.run([str(script)], tmp_path, env(), timeout=120)
+    assert done.returncode == 0 and json.loads(done.stdout)["argv"] == [str(script)]

@@ -215,3 +215,29 @@ def test_per_item_files_are_made_private_or_shared_and_never_through_a_link(tmp_
     packs.symlink_to(outside)
     assert not sp.put([key_of(99)], "F32", ROW, row_of(99))  # said once; the run goes on
     assert list(outside.iterdir()) == []
+
+
+def test_a_reader_that_lists_the_index_while_another_compacts_it_finds_every_record(tmp_path):
+    # the interleaving forced: the reader lists the segments, then another process's
+    # compaction names the merged segment and removes the listed ones before the reader
+    # reads them. The records are in the merged one, and the reader finds them there.
+    rel = f"items/{MODULE}/index"
+    locs = {key_of(i): Loc("0" * 32, i, bytes(16)) for i in range(8)}
+    for k, loc in locs.items():  # 8 segments: fewer than a compaction waits for
+        Index(str(tmp_path), rel).add({k: loc})
+    other = Index(str(tmp_path), rel)
+    other.refresh()
+
+    class Racing(Index):
+        raced = False
+
+        def _list(self):
+            names = super()._list()
+            if not self.raced:
+                self.raced = True
+                other.compact(list(other.segments))
+            return names
+
+    reader = Racing(str(tmp_path), rel)
+    assert reader.lookup(list(locs)) == list(locs.values())
+    assert reader.raced and len(os.listdir(tmp_path / rel)) == 1  # it did compact

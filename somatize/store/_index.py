@@ -161,6 +161,9 @@ class Segment:
                 yield self.key(i), loc
 
 
+_VANISHED = object()  # a segment listed, then gone before it was read
+
+
 class Index:
     """The segments of one directory, read as one mapping from item key to ``Loc``."""
 
@@ -171,23 +174,42 @@ class Index:
         self.small: dict[bytes, tuple[Segment, int]] = {}  # key -> its segment, record
         self.big: list[Segment] = []
 
-    def refresh(self) -> None:
-        """See the segments now in the directory (new ones read, gone ones forgotten)."""
+    def _list(self) -> list[str]:
         try:
-            now = sorted(n for n in os.listdir(self.folder) if n.endswith(".seg"))
+            return sorted(n for n in os.listdir(self.folder) if n.endswith(".seg"))
         except FileNotFoundError:
-            now = []
+            return []
         except OSError as e:
             say_once(("index unreadable", self.folder, e.errno),
                      f"store index {self.folder} cannot be listed ({e.strerror or e}): every "
                      "item reads as a miss and is recomputed; fix the directory to keep them")
-            now = []
-        gone = set(self.segments) - set(now)
-        new = [n for n in now if n not in self.segments]
-        for n in gone:
-            del self.segments[n]
-        for n in new:
-            self.segments[n] = self._read(n)
+            return []
+
+    def refresh(self) -> None:
+        """See the segments now in the directory (new ones read, gone ones forgotten).
+
+        A segment listed but gone before it is read was compacted away meanwhile: the
+        merged one was named before it went, so the directory is listed again, and the
+        records are found there (a view that lacks both is never used)."""
+        gone: set[str] = set()
+        new: list[str] = []
+        for _ in range(100):  # each pass that finds one vanished follows a compaction
+            now = self._list()
+            gone |= set(self.segments) - set(now)
+            for n in set(self.segments) - set(now):
+                del self.segments[n]
+            fresh = [n for n in now if n not in self.segments]
+            vanished = False
+            for n in fresh:
+                seg = self._read(n)
+                if seg is _VANISHED:
+                    vanished = True
+                    continue
+                self.segments[n] = seg
+                new.append(n)
+            if not vanished:
+                break
+        new = [n for n in new if n in self.segments]
         if gone:
             self.small = {}
             todo = [s for s in self.segments.values() if s is not None and s.n <= SMALL]
@@ -206,7 +228,7 @@ class Index:
             with open(os.path.join(self.folder, name), "rb") as f:
                 return Segment(f.read(), name)
         except FileNotFoundError:
-            return None  # compacted away since listed: its records are in the new one
+            return _VANISHED  # compacted away since listed: its records are in the new one
         except (BadSegment, OSError) as e:
             say_once(("bad segment", self.folder, name),
                      f"store index {self.folder}: segment {name} cannot be used ({e}); its "
