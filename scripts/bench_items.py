@@ -33,6 +33,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
+from bench_cache import median_ms  # noqa: E402
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -42,15 +43,6 @@ from somatize.store._items import Items
 from somatize.torch._per_item import item_keys, module_key
 
 ROWS, IN, OUT, BATCH, BATCHES = 256 * 40, 768, 512, 256, 40
-
-
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
 
 
 class Probe(pl.LightningModule):

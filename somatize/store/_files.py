@@ -129,21 +129,28 @@ def _narrow(fd: int, shared: bool) -> None:
         os.fchmod(fd, mode)
 
 
+def _open_file(root: str, dirs: Sequence[str], relpath: str, flags: int, make: bool,
+               shared: bool) -> int:
+    """A descriptor of ``root/relpath``, the file last in it opened with ``flags`` in
+    the directory ``dirs`` (walked without following a link); BelowLink where it is one."""
+    dfd = _open_dir(root, dirs, make=make, shared=shared)
+    try:
+        return os.open(_parts(relpath)[-1], flags | os.O_NOFOLLOW | os.O_CLOEXEC,
+                       FILE_MODE[shared], dir_fd=dfd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _refused(root, relpath, "a link") from None
+        raise
+    finally:
+        os.close(dfd)
+
+
 def open_below(root: str | os.PathLike, relpath: str):
     """The file ``root/relpath`` opened for reading (binary); BelowLink where any
     component below the root is a link, FileNotFoundError where it is missing."""
     root = os.fspath(root)
     parts = _parts(relpath)
-    dfd = _open_dir(root, parts[:-1], make=False, shared=False)
-    try:
-        try:
-            fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise _refused(root, relpath, "a link") from None
-            raise
-    finally:
-        os.close(dfd)
+    fd = _open_file(root, parts[:-1], relpath, os.O_RDONLY, make=False, shared=False)
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         raise _refused(root, relpath, "not a regular file")
@@ -153,17 +160,7 @@ def open_below(root: str | os.PathLike, relpath: str):
 def open_lock(root: str | os.PathLike, name: str, shared: bool) -> int:
     """A descriptor of the file ``root/name`` (made, with the store's mode) to lock."""
     root = os.fspath(root)
-    dfd = _open_dir(root, [], make=False, shared=shared)
-    try:
-        try:
-            fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                         FILE_MODE[shared], dir_fd=dfd)
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise _refused(root, name, "a link") from None
-            raise
-    finally:
-        os.close(dfd)
+    fd = _open_file(root, [], name, os.O_RDWR | os.O_CREAT, make=False, shared=shared)
     if shared:
         _share_file(fd)
     return fd
