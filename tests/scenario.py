@@ -34,6 +34,15 @@ def env(base: Mapping[str, str] | None = None, **extra: str) -> dict[str, str]:
     return e
 
 
+def own_children(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """``environ`` (default: ``env()``) whose embedded workers start as the coordinator's
+    own child processes, not forked from conftest's warm process: for a scenario that
+    finds its workers by their parent's pid."""
+    e = dict(environ) if environ else env()
+    e.pop("SOMATIZE_FORKS", None)
+    return e
+
+
 TOKEN = "tests-standing-token-3f9a2c"  # scanned for in test_secret.py: it must leak nowhere
 
 
@@ -55,7 +64,9 @@ def scenario(script: str | Path, *args, cwd: str | Path = ROOT, timeout: float =
     be, so that each scenario does not pay for those imports again."""
     argv = command(script, *args)
     environ = dict(environ) if environ else env()
-    warm = Forks.get(env()) if FORKS and forkable(argv[1:], environ, env()) else None
+    warm = Forks.get(env()) if FORKS else None
+    if warm is not None and not forkable(argv[1:], environ, warm.env):
+        warm = None
     if warm is not None:
         done = warm.run(argv[1:], cwd, environ, timeout)
     else:
@@ -78,10 +89,9 @@ def start(script: str | Path, *args, cwd: str | Path = ROOT,
     popen = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen}
     argv = command(script, *args)
     environ = dict(environ) if environ else env()
-    if FORKS and set(popen) <= {"stdout", "stderr", "text"} and forkable(argv[1:], environ,
-                                                                          env()):
+    if FORKS and set(popen) <= {"stdout", "stderr", "text"}:
         warm = Forks.get(env())
-        if warm is not None:
+        if warm is not None and forkable(argv[1:], environ, warm.env):
             return warm.start(argv[1:], cwd, environ, **popen)
     return subprocess.Popen(argv, cwd=cwd, env=environ, **popen)
 

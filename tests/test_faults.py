@@ -7,12 +7,16 @@ import sys
 
 import pytest
 from remote_run import HERE, env
+from scenario import own_children
 
 RUNS = HERE / "fault_runs.py"
 
 
 def _run(tmp_path, *args) -> str:
-    r = subprocess.run([sys.executable, str(RUNS), *args], env=env(), cwd=tmp_path,
+    # the scenarios that stop or kill "the coordinator's children" find workers as them
+    children = args[0] in ("stopped", "placed_lost")
+    r = subprocess.run([sys.executable, str(RUNS), *args],
+                       env=own_children(env()) if children else env(), cwd=tmp_path,
                        capture_output=True, text=True, timeout=180)
     assert r.returncode == 0 and "ERROR" in r.stdout, r.stdout + r.stderr[-3000:]
     return r.stdout

@@ -12,7 +12,7 @@ import time
 
 import pytest
 from forks import Forked, Forks, forkable
-from scenario import command, env
+from scenario import command, env, own_children, scenario
 
 SCRIPT = '''import json, os, sys
 import torch
@@ -97,8 +97,6 @@ def test_what_the_warm_processs_imports_read_is_never_forked_otherwise(script, t
     assert forkable(argv, env(), env())
     assert not forkable(argv, env(OMP_NUM_THREADS="1"), env())
     assert not forkable(["-m", "somatize.worker"], env(), env())
-    from scenario import scenario
-
     done = scenario(script, cwd=tmp_path, environ=env(OMP_NUM_THREADS="1"))
     assert json.loads(done.stdout)["threads"] == 1
 
@@ -111,3 +109,68 @@ def test_a_warm_process_that_ended_is_started_again(script, tmp_path):
     assert second is not None and second is not first and second.proc.poll() is None
     done = second.run([str(script)], tmp_path, env(), timeout=120)
     assert done.returncode == 0 and json.loads(done.stdout)["argv"] == [str(script)]
+
+
+# -- embedded workers forked from the library's server (somatize.remote.fork_workers) -----
+
+def _worker_run(tmp_path, name, environ):
+    out = tmp_path / f"{name}.json"
+    done = scenario("fork_runs.py", "worker", out, cwd=tmp_path, environ=environ)
+    assert "closed" in done.stdout
+    got = json.loads(out.read_text())
+    got["seen"]["env"].pop("SOMATIZE_RUN_KEY", None)  # the run's own secret, if kept
+    return got
+
+
+def test_an_embedded_worker_forked_from_the_server_is_what_a_fresh_one_is(
+        tmp_path, forked_workers):
+    # the worker's arguments, directory, import path, environment, threads and stdin pipe
+    # are a fresh worker's; only its parent differs (the server, not the coordinator)
+    assert forked_workers is not None and forked_workers.alive
+    forked = _worker_run(tmp_path, "forked", env())
+    fresh = _worker_run(tmp_path, "fresh", own_children(env()))
+    assert forked["seen"]["ppid"] == forked_workers.proc.pid
+    assert fresh["seen"]["ppid"] == fresh["me"]
+    assert forked["y"] == fresh["y"]
+    for got in (forked, fresh):
+        got["seen"].pop("ppid"), got["seen"].pop("pid"), got.pop("me")
+        argv = got["seen"]["argv"]
+        argv[argv.index("--join") + 1] = "tcp://..."  # each run's own rendezvous
+    assert forked == fresh
+    assert fresh["seen"]["argv"][:2] == ["--name", "gpu"] and fresh["seen"]["stdin"]
+    assert fresh["seen"]["main"].endswith(os.path.join("somatize", "remote", "__main__.py"))
+
+
+def test_a_worker_whose_environment_torch_reads_at_start_differs_is_started_afresh(
+        tmp_path, forked_workers):
+    got = _worker_run(tmp_path, "threads", env(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE"))
+    assert got["seen"]["ppid"] == got["me"]  # the coordinator's own child
+    assert got["seen"]["threads"] == 1
+
+
+def test_the_fork_server_forks_for_its_own_user_only(forked_workers):
+    # its socket lies in a directory only its user may enter; a process of another user
+    # (nobody) cannot reach it
+    import stat
+
+    path = forked_workers.path
+    assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    if os.getuid() != 0:
+        pytest.skip("switching to another user needs root (CI runs as root)")
+    import socket
+
+    child = os.fork()  # (python itself may not be this user's to run: only syscalls here)
+    if child == 0:
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.connect(path)
+            os._exit(1)  # reached it
+        except PermissionError:
+            os._exit(0)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # refused

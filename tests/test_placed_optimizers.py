@@ -11,7 +11,7 @@ import subprocess
 import pytest
 import torch
 from models import same
-from scenario import scenario, start
+from scenario import own_children, scenario, start
 
 from somatize.torch import _private
 
@@ -181,7 +181,9 @@ def test_ctrl_c_at_any_moment_of_a_placed_fit_ends_every_process_within_ten_seco
             for k in range(first, min(first + at_once, tries)):
                 out = tmp_path / f"interrupted-{k}.pt"
                 marker = tmp_path / f"interrupted-{k}.pt.started"  # after the first batch
-                proc = start(RUNS, "interrupted", out, stdout=subprocess.DEVNULL)
+                # its workers its own children: the process tree below holds them
+                proc = start(RUNS, "interrupted", out, stdout=subprocess.DEVNULL,
+                             environ=own_children())
                 started.append(proc)
                 running.append((k, proc, marker, rng.uniform(0.0, 1.5)))
             for k, proc, marker, delay in running:

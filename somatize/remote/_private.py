@@ -21,6 +21,11 @@ NAMES = [("torch.distributed.rpc.api", "_get_current_rpc_agent"),
          ("torch.distributed.rpc.internal", "_internal_rpc_pickler")]
 
 
+# what building a torch optimizer imports the first time (Optimizer.add_param_group is
+# wrapped by torch._disable_dynamo): a fork server imports it once for every worker
+OPTIMIZER_IMPORTS = ["torch._dynamo"]
+
+
 def _need(owner: Any, where: str, attr: str, what: str) -> Any:
     try:
         return getattr(owner, attr)

@@ -19,6 +19,8 @@ import subprocess
 import sys
 
 from .._errors import WorkerError
+from ._forks import Forked
+from ._forks import named as forks_named
 from ._secret import (
     RUN_KEY_ENV,
     TOKEN_ENV,
@@ -54,9 +56,10 @@ def warm(proc: subprocess.Popen, argv: list[str]) -> bool:
     return True
 
 
-def spawn(argv: list[str]) -> subprocess.Popen:
+def spawn(argv: list[str]) -> subprocess.Popen | Forked:
     """Start a serving process on this machine; it exits when its stdin closes. With
-    ``["--warm"]`` it imports torch and waits for its arguments (``warm``)."""
+    ``["--warm"]`` it imports torch and waits for its arguments (``warm``). Forked from
+    the server ``SOMATIZE_FORKS`` names, where there is one (``fork_workers``)."""
     env = serving_env(dict(os.environ))
     if loopback(settings["listen"]) or not env.get("TP_SOCKET_IFNAME"):
         env["TP_SOCKET_IFNAME"] = loopback_iface()  # never wider than the coordinator
@@ -64,6 +67,12 @@ def spawn(argv: list[str]) -> subprocess.Popen:
     paths = [os.path.abspath(p or os.getcwd()) for p in sys.path]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env[RUN_KEY_ENV] = run_key().hex()  # the child's environment: no other user reads it
+    server = forks_named(env)
+    if server is not None:  # over a socket only this user reaches
+        forked = server.popen(["-m", "somatize.remote", *argv], env, os.getcwd(),
+                              stdin=subprocess.PIPE)
+        if forked is not None:
+            return forked
     return subprocess.Popen([sys.executable, "-m", "somatize.remote", *argv],
                             stdin=subprocess.PIPE, env=env)
 

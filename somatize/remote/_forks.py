@@ -1,0 +1,410 @@
+"""Processes forked from a warm one: a server imports torch (and what ``preload`` names)
+once, then forks each process asked of it, which runs ``python -m MODULE ARGS`` or
+``python SCRIPT ARGS`` as a fresh interpreter would: its own pid, environment, working
+directory, ``sys.argv``, ``sys.path`` and standard streams. An embedded worker started
+fresh spends about 4 s of a core importing torch (and the compiler's modules, which
+building an optimizer imports); forked, it spends a fraction of a second.
+
+    server = ForkServer.start(["torch", "torch.distributed.rpc"])
+    proc = server.popen(["-m", "somatize.remote", "--name", "gpu", ...], env, cwd,
+                        stdin=subprocess.PIPE)      # answers as subprocess.Popen does
+    server.close()
+
+``fork_workers()`` starts one for the embedded workers of this process and of the
+processes it starts (``SOMATIZE_FORKS`` names its socket). This module imports nothing
+but the standard library: it is also the server's program, and the server never imports
+somatize (it reads its environment when imported: each fork imports it afresh).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+
+log = logging.getLogger(__name__)
+
+FORKS_ENV = "SOMATIZE_FORKS"  # the socket of the server embedded workers are forked from
+WORKER_PRELOAD = ("torch", "torch.distributed.rpc")  # and remote/_private's OPTIMIZER_IMPORTS
+# read when torch (or the interpreter) starts: a process whose environment says otherwise
+# of any of them than the server's did needs an interpreter of its own
+# (a value read later, such as Lightning's PL_GLOBAL_SEED, is simply set in the fork)
+READ_AT_START = ("OMP_", "GOMP_", "KMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA",
+                 "NCCL_", "LD_", "MALLOC_", "THP_", "PYTHON")
+_NOT_READ = ("PYTHONPATH", "PYTHONUNBUFFERED", "PYTHONFAULTHANDLER",
+             # set by libraries as they run (scikit-learn and joblib when imported, for
+             # Intel's OpenMP, which torch's wheels do not use; Lightning; inductor), and
+             # read later if at all: a coordinator that imported them has them, the server not
+             "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK", "PYTORCH_NVML_BASED_CUDA_CHECK",
+             "TORCHINDUCTOR_CACHE_DIR")
+
+
+def read_at_start(env: dict[str, str]) -> dict[str, str]:
+    """The entries of ``env`` read once, when the interpreter and torch start."""
+    return {k: v for k, v in env.items() if k.startswith(READ_AT_START) and k not in _NOT_READ}
+
+
+class ForkServer:
+    """A warm process that forks the processes asked of it (``popen``); it ends with the
+    process that started it, or at ``close()``."""
+
+    def __init__(self, path: str, proc: subprocess.Popen | None = None):
+        self.path, self.proc = path, proc
+
+    @classmethod
+    def start(cls, preload=WORKER_PRELOAD, env: dict[str, str] | None = None,
+              timeout: float = 180.0) -> ForkServer:
+        """Start a server that imports ``preload`` first, in ``env`` (default: this
+        process's environment), listening on a socket only this user can reach."""
+        where = tempfile.mkdtemp(prefix="somatize-forks-")  # mode 0700: this user's alone
+        path = os.path.join(where, "socket")
+        # run by path, not as somatize.remote._forks: the server never imports somatize
+        program = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], " \
+            "run_name='__main__')"
+        proc = subprocess.Popen(
+            [sys.executable, "-c", program, os.path.abspath(__file__), path, *preload],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env=dict(os.environ if env is None else env), cwd=where)
+        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        line = proc.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            proc.kill()
+            proc.wait(timeout=10)
+            raise RuntimeError(f"the fork server did not start (it said {line!r}, exit code "
+                               f"{proc.poll()})")
+        server = cls(path, proc)
+        atexit.register(server.close)
+        return server
+
+    @property
+    def alive(self) -> bool:
+        """Whether the server still answers (its socket is there, its process lives)."""
+        return os.path.exists(self.path) and (self.proc is None or self.proc.poll() is None)
+
+    def close(self) -> None:
+        """End the server (the processes it forked live on); idempotent."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.stdin.close()  # it ends when its stdin does
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+                os.rmdir(os.path.dirname(self.path))
+
+    def popen(self, argv: list[str], env: dict[str, str], cwd: str, stdin=None, stdout=None,
+              stderr=None, text: bool = False) -> Forked | None:
+        """``python *argv`` forked, running, as a ``Forked``; None when the server cannot
+        fork it (it is gone, or ``env`` differs from its own in what starting reads).
+        ``stdin``: PIPE (``.stdin`` writes to it) or None; ``stdout``, ``stderr``: None
+        (this process's), PIPE or DEVNULL."""
+        ends, mine = [], []
+        for i, how in enumerate((stdin, stdout, stderr)):
+            if how == subprocess.PIPE:
+                r, w = os.pipe()
+                ends.append(r if i == 0 else w)
+                mine.append(w if i == 0 else r)
+            elif how == subprocess.DEVNULL:
+                ends.append(os.open(os.devnull, os.O_RDONLY if i == 0 else os.O_WRONLY))
+                mine.append(None)
+            elif how is None:
+                ends.append(os.dup(i))
+                mine.append(None)
+            else:
+                raise ValueError(f"fork server: a stream as {how!r}: give PIPE, DEVNULL or None")
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            conn.settimeout(60)
+            conn.connect(self.path)
+            request = json.dumps({"argv": argv, "cwd": str(cwd), "env": env}).encode()
+            socket.send_fds(conn, [request], ends)
+            said = conn.recv(4096).decode()
+        except OSError as e:
+            log.info("the fork server at %s did not answer (%s): a fresh process instead",
+                     self.path, e)
+            said = ""
+        finally:
+            for fd in ends:
+                os.close(fd)
+        if not said.isdigit():
+            conn.close()
+            for fd in mine:
+                if fd is not None:
+                    os.close(fd)
+            if said:
+                log.info("the fork server did not fork %s: %s", argv[:3], said)
+            return None
+        return Forked([sys.executable, *argv], int(said), conn, mine, text)
+
+
+class Forked:
+    """A forked process, answering as ``subprocess.Popen`` does: ``pid``, ``args``,
+    ``stdin``, ``stdout``, ``stderr`` (pipes, or None), ``poll``, ``wait``,
+    ``communicate``, ``send_signal``, ``kill``, ``terminate``, ``returncode``. Its exit
+    code comes from the server, which is its parent."""
+
+    def __init__(self, args, pid: int, conn: socket.socket, fds: list, text: bool):
+        self.args, self.pid, self._conn, self.returncode = args, pid, conn, None
+        self._read: dict[int, list[bytes]] = {}  # what communicate read, by pipe
+        w, r1, r2 = fds
+        self.stdin = None if w is None else open(w, "wb", buffering=0)
+        self.stdout, self.stderr = (None if fd is None else open(fd, "r" if text else "rb")
+                                    for fd in (r1, r2))
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self._conn.settimeout(timeout)
+            try:
+                said = self._conn.recv(64)
+            except (TimeoutError, BlockingIOError):
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+            if said:
+                self.returncode = int(said)
+            else:  # the server ended first: the process is init's now, its code unknown
+                self._await_gone(timeout)
+                self.returncode = -signal.SIGKILL
+            self._conn.close()
+        return self.returncode
+
+    def _await_gone(self, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while _lives(self.pid):
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+
+    def poll(self) -> int | None:
+        try:
+            return self.wait(timeout=0.0)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def communicate(self, timeout: float | None = None):
+        """Read stdout and stderr to their ends, then wait for the exit code."""
+        if self.stdin is not None:
+            self.stdin.close()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while open_ := [f for f in (self.stdout, self.stderr) if f is not None and not f.closed]:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            ready, _, _ = select.select(open_, [], [], left)
+            for f in ready:
+                chunk = os.read(f.fileno(), 1 << 16)
+                self._read.setdefault(id(f), []).append(chunk)
+                if not chunk:
+                    f.close()
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        return tuple(None if f is None else self._text(f) for f in (self.stdout, self.stderr))
+
+    def _text(self, f):
+        got = b"".join(self._read.get(id(f), []))
+        return got if "b" in f.mode else got.decode(errors="replace").replace("\r\n", "\n")
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def _lives(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+_named: dict[str, ForkServer] = {}
+
+
+def named(env: dict[str, str]) -> ForkServer | None:
+    """The server ``env`` names (``SOMATIZE_FORKS``), if it is there."""
+    path = env.get(FORKS_ENV)
+    if not path:
+        return None
+    server = _named.get(path) or _named.setdefault(path, ForkServer(path))
+    return server if server.alive else None
+
+
+def fork_workers(preload=None) -> ForkServer:
+    """Fork the embedded workers that this process, and the processes it starts, start
+    from now on, from one warm server (``preload`` imported there once): each starts in a
+    fraction of a second of a core instead of about 4 s. For many short runs in one
+    session (a test suite, a sweep). A worker whose environment sets what torch reads at
+    start otherwise than this process did (``OMP_*``, ``TORCH_*``...) starts fresh."""
+    from ._private import OPTIMIZER_IMPORTS
+    from ._spawn import serving_env
+
+    if preload is None:
+        preload = [*WORKER_PRELOAD, *OPTIMIZER_IMPORTS]
+    server = ForkServer.start(preload, env=serving_env(dict(os.environ)))
+    os.environ[FORKS_ENV] = server.path
+    _named[server.path] = server
+    return server
+
+
+# -- the server -----------------------------------------------------------------------------
+def _serve(path: str, preload: list[str]):
+    """Answer requests until stdin closes; returns only in a fork, with its request."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for its owner
+    mine = read_at_start(dict(os.environ))  # as started (an import may set more)
+    for name in preload:
+        __import__(name)
+    import gc
+    import threading
+
+    # forking copies one thread: no Python thread may run beside this one
+    if threading.active_count() != 1:
+        print(f"threads {threading.enumerate()}", flush=True)
+        sys.exit(1)
+    gc.freeze()  # what is imported stays shared with the forks, not copied by their gc
+    given = _paths(os.environ.get("PYTHONPATH", ""))
+    base = [p for p in sys.path[1:] if p not in given]
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    srv.bind(path)
+    os.chmod(path, 0o600)
+    srv.listen(64)
+    waiting: dict[int, socket.socket] = {}  # a fork's pid: who waits for its exit code
+    print("ready", flush=True)
+    while True:
+        ready, _, _ = select.select([srv, sys.stdin], [], [], 0.05)
+        _reap(waiting)
+        if sys.stdin in ready and not os.read(0, 1):
+            return None
+        if srv not in ready:
+            continue
+        conn, _ = srv.accept()
+        try:
+            conn.settimeout(10)  # a client that connects and says nothing holds up no one
+            msg, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+            conn.settimeout(None)
+            request = json.loads(msg)
+        except (OSError, ValueError):
+            conn.close()
+            continue
+        why = _refusal(conn, request, fds, mine)
+        if why is not None:
+            for fd in fds:
+                os.close(fd)
+            with contextlib.suppress(OSError):
+                conn.send(why.encode())
+            conn.close()
+            continue
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            srv.close()
+            conn.close()
+            for c in waiting.values():
+                c.close()
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            return request, fds, base
+        for fd in fds:
+            os.close(fd)
+        conn.send(str(pid).encode())
+        waiting[pid] = conn
+
+
+def _refusal(conn: socket.socket, request: dict, fds: list, mine: dict) -> str | None:
+    pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
+                                                      struct.calcsize("3i")))
+    if uid != os.getuid():
+        return f"refused: uid {uid} is not this server's user"
+    if _namespaces(pid) != _namespaces(os.getpid()):  # a fork lives where its server does
+        return "refused: it runs in other namespaces (network, mounts) than this server"
+    if len(fds) != 3 or not isinstance(request.get("argv"), list) or not request["argv"]:
+        return "refused: a request is argv, cwd, env and three streams"
+    theirs = read_at_start(request["env"])
+    if theirs != mine:
+        differ = sorted(k for k in {*theirs, *mine} if theirs.get(k) != mine.get(k))
+        return f"refused: its environment sets what starting reads otherwise ({differ})"
+    return None
+
+
+def _namespaces(pid: int) -> tuple:
+    try:
+        return tuple(os.readlink(f"/proc/{pid}/ns/{ns}") for ns in ("net", "mnt", "pid"))
+    except OSError:
+        return ("unknown", pid)
+
+
+def _reap(waiting: dict[int, socket.socket]) -> None:
+    while waiting:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        conn = waiting.pop(pid, None)
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.send(str(os.waitstatus_to_exitcode(status)).encode())
+            conn.close()
+
+
+def _paths(pythonpath: str) -> list[str]:
+    # as the interpreter reads PYTHONPATH: an empty entry is the working directory
+    return [os.path.abspath(p or os.getcwd()) for p in pythonpath.split(os.pathsep)] \
+        if pythonpath else []
+
+
+def _become(request: dict, fds: list[int], base: list[str]) -> tuple[str, str]:
+    """Turn this fork into ``python ARGV`` as ``request`` says: ("module", name) or
+    ("script", path), what to run."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    env = request["env"]
+    sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False))
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False),
+                                  write_through=bool(env.get("PYTHONUNBUFFERED")))
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True,
+                                  errors="backslashreplace")
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(env)
+    paths = _paths(env.get("PYTHONPATH", ""))
+    argv = request["argv"]
+    if argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]  # runpy sets argv[0] to the module's file
+        sys.path[:] = [os.getcwd(), *paths, *base]
+        return "module", argv[1]
+    script = os.path.abspath(argv[0])
+    sys.argv = [script, *argv[1:]]
+    sys.path[:] = [os.path.dirname(script), *paths, *base]
+    return "script", script
+
+
+if __name__ == "__main__":
+    forked = _serve(sys.argv[1], sys.argv[2:])
+    if forked is None:
+        sys.exit(0)
+    import runpy
+
+    how, what = _become(*forked)
+    if how == "module":
+        runpy.run_module(what, run_name="__main__", alter_sys=True)
+    else:
+        runpy.run_path(what, run_name="__main__")
