@@ -38,5 +38,17 @@ def worker(out: str) -> None:
     print("closed", flush=True)
 
 
+def server_gone(out: str) -> None:
+    """This process's own fork server killed before the run: the worker starts afresh."""
+    import signal
+
+    from somatize.remote import fork_workers
+
+    server = fork_workers()
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(timeout=30)
+    worker(out)
+
+
 if __name__ == "__main__":
     play(globals(), sys.argv)

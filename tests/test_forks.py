@@ -148,6 +148,16 @@ def test_a_worker_whose_environment_torch_reads_at_start_differs_is_started_afre
     assert got["seen"]["threads"] == 1
 
 
+def test_a_worker_whose_fork_server_died_starts_afresh_and_computes_the_same(tmp_path):
+    fresh = _worker_run(tmp_path, "fresh", own_children(env()))
+    out = tmp_path / "gone.json"
+    done = scenario("fork_runs.py", "server_gone", out, cwd=tmp_path,
+                    environ=own_children(env()))
+    got = json.loads(out.read_text())
+    assert "closed" in done.stdout
+    assert got["seen"]["ppid"] == got["me"] and got["y"] == fresh["y"]
+
+
 def test_the_fork_server_forks_for_its_own_user_only(forked_workers):
     # its socket lies in a directory only its user may enter; a process of another user
     # (nobody) cannot reach it
