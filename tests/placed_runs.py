@@ -3,7 +3,7 @@ with SomatizeStrategy(place=...), on modules whose classes this script defines (
 live in ``__main__`` and cross by value); tests/test_placed_ordinary.py reads what they
 save. All cases in one process (RPC starts once):
 
-    python tests/placed_runs.py many OUT.pt outputs raises attributes side cache pickles
+    python tests/placed_runs.py many OUT.pt outputs raises attributes side cache pickles shapes
 """
 
 import collections
@@ -408,6 +408,66 @@ def compiled(out):
     except Refused as e:
         said = str(e)
     torch.save({"said": said}, out)
+
+
+class Shifts(nn.Module):
+    """Answers one tensor, a tuple, a dict or one tensor twice, as it is asked from call to
+    call; its output is scaled by a buffer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+        self.register_buffer("scale", torch.ones(8))
+
+    def forward(self, x, y=None, how="tensor", counter=None):
+        h = self.lin(x) * self.scale
+        if y is not None:
+            h = h + y.mean()
+        if counter is not None:
+            counter += 1  # written in place: the caller's tensor counts
+        if how == "tuple":
+            return h, h * 2
+        if how == "dict":
+            return {"h": h}
+        if how == "twice":
+            return h, h
+        return h
+
+
+class CallsShifting(Side):
+    """Calls ``Shifts`` five ways a step: its arguments tensors alone, with keyword
+    tensors (one it writes into), with a string, and with one tensor twice; its output
+    each of its shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = Shifts()
+        self.seen = []
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        a = self.encoder(x)
+        b, c = self.encoder(x, x, "tuple")
+        d = self.encoder(x, y=x + 1, counter=(n := torch.zeros(1)))
+        e = self.encoder(x, how="dict")
+        f, g = self.encoder(x, x, how="twice")
+        self.seen.append((type(a).__name__, type(e).__name__, f is g, n.item()))
+        loss = F.mse_loss(self.head((a + b + c + d + e["h"] + f + g) / 7), x)
+        self.log("loss", loss)
+        return loss
+
+
+class ReplacesScale(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, i):
+        if i == 2:  # a new tensor under the buffer's name, its version as the old one's
+            pl_module.encoder.scale = torch.full((8,), 0.5)
+
+
+def shapes(out):
+    """Arguments and outputs whose structure changes from call to call come back as
+    themselves; a buffer replaced here (a new tensor, not a write) reaches the worker."""
+    both(CallsShifting, {"encoder": "worker"}, out, digits(), max_steps=4,
+         callbacks=[ReplacesScale()], extra=lambda m: m.seen)
 
 
 def many(out, *cases):

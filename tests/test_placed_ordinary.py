@@ -19,7 +19,8 @@ from somatize.torch._tree import tree_flatten, tree_unflatten
 
 RUNS = "placed_runs.py"
 pytestmark = pytest.mark.timeout(1500)  # one process runs every case (RPC starts once)
-CASES = ["outputs", "raises", "attributes", "side", "cache", "pickles", "readers", "compiled"]
+CASES = ["outputs", "raises", "attributes", "side", "cache", "pickles", "readers", "compiled",
+         "shapes"]
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +81,18 @@ def test_arguments_changed_in_place_over_there_change_here(ran):
     got = ran("cache")
     exact(got)
     assert got["seen"][1] == got["seen"][0] == (2, 2.0)
+
+
+def test_calls_whose_structure_changes_from_call_to_call_and_a_replaced_buffer_train_exactly(
+        ran):
+    # five calls a step: tensors alone, keyword tensors (one written into over there), a
+    # string, one tensor twice; a tensor, a tuple, a dict and one tensor twice back. At
+    # batch 2 a callback puts a new tensor under the buffer's name (no write: its version
+    # is the old one's)
+    got = ran("shapes")
+    exact(got)
+    plain, split = got["seen"]
+    assert split == plain == [("Tensor", "dict", True, 1.0)] * 4
 
 
 def test_the_placed_module_pickles_into_checkpoints_as_plain_lightnings(ran):

@@ -5,11 +5,17 @@ outputs of the call's node here (so each sends its gradient back). An exception 
 here travels as ``Raised``, rebuilt there as its own type.
 
     answer = _call(live, "encoder", 0, tensors, blob, needs, ...)   # over there
+
+What does not change from call to call travels light: arguments that are distinct
+tensors only travel without a pickled structure (``blob`` is ``(len(args), kwargs'
+names)``), and so does an output that is one tensor or a tuple of distinct tensors,
+when the forward left nothing on its modules and changed no argument.
 """
 
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import pickle
 from typing import Any
@@ -18,7 +24,7 @@ import torch
 
 from .._errors import WorkerError
 from .._trace import span
-from ._private import version
+from ._private import version, versions
 from ._raised import caught
 from ._tree import tree_flatten, tree_unflatten
 
@@ -48,6 +54,29 @@ def unpack(tensors: Any, plain: list) -> list:
     return [next(it) if p is TensorHere else p for p in plain]
 
 
+def plain_args(args: tuple, kwargs: dict) -> tuple | None:
+    """``(len(args), kwargs' names)`` when every argument is a tensor and no tensor
+    stands twice: the call needs no pickled structure. Else None."""
+    n = len(args)
+    if not all(isinstance(a, torch.Tensor) for a in args) or not all(
+            isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return None
+    ids = {id(a) for a in args}
+    ids.update(id(v) for v in kwargs.values())
+    return (n, tuple(kwargs)) if len(ids) == n + len(kwargs) else None
+
+
+def plain_out(out: Any) -> int | None:
+    """How an answer's structure travels when the output is one tensor (``None``) or a
+    tuple of ``n`` distinct tensors (``n``); else ``-1`` (pickled)."""
+    if isinstance(out, torch.Tensor):
+        return None
+    if type(out) is tuple and all(isinstance(t, torch.Tensor) for t in out) \
+            and len({id(t) for t in out}) == len(out):
+        return len(out)
+    return -1
+
+
 def dumps(obj: Any) -> bytes:
     """Classes and functions defined in the script (``__main__``) by value."""
     try:  # the plain pickler is several times faster: used where nothing is __main__'s
@@ -61,7 +90,7 @@ def dumps(obj: Any) -> bytes:
     return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _call(live, name: str, call: int, tensors: list, blob: bytes, needs: list[bool],
+def _call(live, name: str, call: int, tensors: list, blob: bytes | tuple, needs: list[bool],
           grad: bool, inference: bool, rng: torch.Tensor, ops: list, autocast: list,
           dtype: torch.dtype, device: str = "cpu"):
     from ._placed import _apply, _moved, _settled_on  # (_placed imports this module)
@@ -72,7 +101,7 @@ def _call(live, name: str, call: int, tensors: list, blob: bytes, needs: list[bo
         tensors = [_moved(t, dev) for t in tensors]
         _apply(placed, ops)
         try:
-            spec, plain = pickle.loads(blob)
+            spec, plain = (None, blob) if isinstance(blob, tuple) else pickle.loads(blob)
         except Exception as e:
             raise WorkerError(
                 f"the worker could not read the arguments of a call to {name!r} "
@@ -91,16 +120,20 @@ def _call(live, name: str, call: int, tensors: list, blob: bytes, needs: list[bo
         return caught(e)
 
 
-def _run_call(placed: Any, name: str, call: int, tensors: list, spec: Any, plain: list,
+def _run_call(placed: Any, name: str, call: int, tensors: list, spec: Any, plain: Any,
               needs: list[bool], grad: bool, inference: bool):
     leaves = [t.detach().requires_grad_() if need else t
               for t, need in zip(tensors, needs, strict=True)]
-    flat = unpack(leaves, plain)
-    args, kwargs = tree_unflatten(flat, spec)
-    versions = [version(t) for t in leaves]
+    if spec is None:  # distinct tensors only (plain_args): (len(args), kwargs' names)
+        n, names = plain
+        flat, args, kwargs = leaves, tuple(leaves[:n]), dict(zip(names, leaves[n:], strict=True))
+    else:
+        flat = unpack(leaves, plain)
+        args, kwargs = tree_unflatten(flat, spec)
+    was = versions(leaves)
     modules = placed.__dict__.get("modules") or placed.__dict__.setdefault(
         "modules", list(placed.module.modules()))
-    before = [dict(m.__dict__) for m in modules]
+    before = [(list(m.__dict__), list(m.__dict__.values())) for m in modules]
     with span(f"forward {name}", "node"):
         if inference:
             with torch.inference_mode():
@@ -108,11 +141,16 @@ def _run_call(placed: Any, name: str, call: int, tensors: list, spec: Any, plain
         else:
             with torch.set_grad_enabled(grad):
                 out = placed.module(*args, **kwargs)
-    side = [(i, k, v) for i, (m, was) in enumerate(zip(modules, before, strict=True))
-            for k, v in m.__dict__.items() if was.get(k, _MISSING) is not v and _travels(v)]
-    changed = _changed(args, kwargs, flat, leaves, versions)
-    out_flat, out_spec = tree_flatten((out, side, changed))
-    outs, out_plain = pack(out_flat)
+    side = _left(modules, before)
+    # a structure of tensors alone changes only through a tensor written in place
+    changed = None if spec is None and versions(leaves) == was else _changed(
+        args, kwargs, flat, leaves, was)
+    shape = -1 if side or changed is not None else plain_out(out)
+    if shape == -1:
+        out_flat, out_spec = tree_flatten((out, side, changed))
+        outs, out_plain = pack(out_flat)
+    else:
+        outs = [out] if shape is None else list(out)
     if grad and any(t.requires_grad for t in outs):
         placed.kept[call] = ([t if need else None for t, need in zip(leaves, needs, strict=True)],
                              outs)
@@ -121,11 +159,28 @@ def _run_call(placed: Any, name: str, call: int, tensors: list, spec: Any, plain
     # kept: whether this call waits for a backward (a frozen module's does not)
     # which outputs carry a gradient over there (a detached one stays so here)
     alive = [t.requires_grad for t in outs]
-    return (answer, dumps((out_spec, out_plain, alive)), torch.get_rng_state(), os.getpid(),
-            call in placed.kept)
+    if shape == -1:
+        shape = dumps((out_spec, out_plain))
+    return answer, shape, alive, torch.get_rng_state(), os.getpid(), call in placed.kept
 
 
 _MISSING = object()
+
+
+def _left(modules: list, before: list) -> list:
+    # what the forward set or replaced on its modules' __dict__ and that travels, as
+    # (module index, name, value); a dict whose names and values are all as they were
+    # is passed over at C speed
+    side = []
+    for i, (m, (names, values)) in enumerate(zip(modules, before, strict=True)):
+        d = m.__dict__
+        if len(d) == len(names) and all(map(operator.is_, d.values(), values)) \
+                and list(d) == names:
+            continue
+        was = dict(zip(names, values, strict=True))
+        side += [(i, k, v) for k, v in d.items()
+                 if was.get(k, _MISSING) is not v and _travels(v)]
+    return side
 
 
 def _travels(v: Any) -> bool:

@@ -9,14 +9,18 @@ changed in place over there changed here.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from .._errors import Refused
+from ._private import plainly
 
 _NONE = object()
+_END = object()  # where a module's parameters end, then its buffers (in Shape)
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
@@ -31,8 +35,7 @@ def _names(m: torch.nn.Module) -> tuple:
 
 
 def _values(m: torch.nn.Module, names: tuple) -> tuple:
-    d = m.__dict__
-    return tuple(d.get(k, _NONE) for k in names)
+    return tuple(map(m.__dict__.get, names, itertools.repeat(_NONE)))  # read per call
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,40 @@ class Attributes:
             self.names[i], self.sizes[i] = _names(m), len(m.__dict__)
             self.sent[i] = _values(m, self.names[i])
 
+
+
+class Shape:
+    """A module's submodules, parameters and ``state_dict(keep_vars=True)`` entries, as
+    last looked up: what each call reads of them (training modes, ``requires_grad``,
+    version counters) is read from these lists, looked up again only when the module's
+    structure changed (a child, parameter or buffer added, removed or replaced)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        self.look()
+
+    def look(self) -> None:
+        """Look the module's structure up again."""
+        self.modules = list(self.module.modules())
+        with plainly():
+            self.params = list(self.module.parameters())
+            state = self.module.state_dict(keep_vars=True)
+        self.names, self.tensors = list(state), list(state.values())
+        self._key = self._now()
+
+    def _now(self) -> list:
+        return [(*m._parameters.values(), _END, *m._buffers.values(), _END,
+                 *m._modules.values()) for m in self.modules]
+
+    def current(self) -> bool:
+        """Look again if the structure changed since; whether it did."""
+        now = self._now()  # compared by identity first: no tensor's __eq__ runs
+        if len(now) == len(self._key) and all(
+                len(a) == len(b) and all(map(operator.is_, a, b))
+                for a, b in zip(now, self._key, strict=True)):
+            return False
+        self.look()
+        return True
 
 
 def into(here: Any, there: Any, name: str, where: str = "the arguments") -> None:

@@ -27,12 +27,12 @@ from typing import Any
 import torch
 
 from .._errors import Refused
-from ._call import Same, _backward, _call, _weights, dumps, pack, unpack
+from ._call import Same, _backward, _call, _weights, dumps, pack, plain_args, unpack
 from ._fresh import fresh, unfresh
 from ._module import ModuleNode
 from ._module_ops import SetModes, SetRequiresGrad, SetWeights, copy_into
-from ._ordinary import Attributes, into
-from ._private import hook_count, plainly, route_calls, routed_to, version
+from ._ordinary import Attributes, Shape, into
+from ._private import hook_count, plainly, route_calls, routed_to, versions
 from ._raised import Raised, rebuilt
 from ._tree import tree_flatten, tree_unflatten
 
@@ -160,6 +160,7 @@ class Link:
             route_calls(m, self._routes[id(m)])
         self._hooked = [hook_count(child) for _, child in self._children]
         self.attributes = Attributes(self.module)
+        self.shape = Shape(self.module)
         self.remember()
         self.buffered = any(True for _ in self.module.buffers())
         fresh(self)  # its weights here answer reads current
@@ -187,18 +188,22 @@ class Link:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.catch_writes()
         self.catch_hooks()
-        flat, spec = tree_flatten((args, kwargs))
-        tensors, plain = pack(flat)
+        blob = plain_args(args, kwargs)  # distinct tensors only: no structure to pickle
+        if blob is None:
+            flat, spec = tree_flatten((args, kwargs))
+            tensors, plain = pack(flat)
+            blob = dumps((spec, plain))  # classes the script defines travel by value
+        else:
+            tensors = [*args, *kwargs.values()]
         grad = torch.is_grad_enabled()
         needs = [grad and t.requires_grad for t in tensors]
         sent = [_crossing(t) for t in tensors]
-        blob = dumps((spec, plain))  # classes the script defines travel by value
-        modes = tuple(m.training for m in self.module.modules())
+        modes = tuple(m.training for m in self.shape.modules)  # (current: catch_writes)
         if modes != self.modes:
             self.ops.append(SetModes(modes))
             self.modes = modes
         with plainly():
-            flags = tuple(p.requires_grad for p in self.module.parameters())
+            flags = tuple(p.requires_grad for p in self.shape.params)
         if flags != self.flags:
             self.ops.append(SetRequiresGrad(flags))
             self.flags = flags
@@ -211,11 +216,10 @@ class Link:
         ops, self.ops = self.ops, []
         autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
                     for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-        self.answer, out_blob, rng, pid, kept = self._rpc(
+        self.answer, shape, self.alive, rng, pid, kept = self._rpc(
             _call, self.name, call, sent, blob, needs, grad,
             torch.is_inference_mode_enabled(), torch.get_rng_state(), ops, autocast,
             torch.get_default_dtype(), self.device)
-        out_spec, out_plain, self.alive = pickle.loads(out_blob)
         here = self.here
         if here.type != "cpu":
             self.answer = [_moved(t, here) for t in self.answer]
@@ -228,6 +232,9 @@ class Link:
             anchor = torch.empty(0, requires_grad=True)
             outs = _Remote.apply(self, call, anchor,
                                  *[t for t, need in zip(tensors, needs, strict=True) if need])
+        if not isinstance(shape, bytes):  # one tensor (None), a tuple of them (its length)
+            return outs[0] if shape is None else tuple(outs)
+        out_spec, out_plain = pickle.loads(shape)
         out_plain = [tensors[p.i] if isinstance(p, Same) else p for p in out_plain]
         out, side, changed = tree_unflatten(unpack(outs, out_plain), out_spec)
         self.attributes.left(side)  # an auxiliary loss the forward set on self
@@ -328,22 +335,34 @@ class Link:
             self._hooked[k] = now
 
     def remember(self) -> None:
-        with plainly():
-            self.versions = {k: version(t)
-                             for k, t in self.module.state_dict(keep_vars=True).items()}
+        shape = self.shape
+        shape.current()
+        with plainly():  # (a placed weight's reads go through FreshParameter otherwise)
+            self.seen = versions(shape.tensors)  # as self.versions, in shape's order
+        self.versions = dict(zip(shape.names, self.seen, strict=True))
+        self.held = dict(zip(shape.names, shape.tensors, strict=True))
 
     def catch_writes(self) -> None:
-        """A write here since the last sync (SWA, load_state_dict): sent over there."""
+        """A write here since the last sync (SWA, load_state_dict), or a new tensor put
+        under a weight's name: sent over there."""
+        shape = self.shape
+        moved = shape.current()  # the names looked up again when the structure changed
         with plainly():
-            now = self.module.state_dict(keep_vars=True)
-            was = self.exposed  # handed out through .data since the last look
-            changed = {k: t.detach().clone() for k, t in now.items()
-                       if version(t) != self.versions.get(k)
+            now = versions(shape.tensors)
+        was = self.exposed  # handed out through .data since the last look
+        if not moved and not was and now == self.seen:
+            return  # the same tensors, none written since
+        with plainly():
+            changed = {k: t.detach().clone()
+                       for k, t, v in zip(shape.names, shape.tensors, now, strict=True)
+                       if v != self.versions.get(k) or self.held.get(k) is not t
                        or (id(t) in was and not torch.equal(t, was[id(t)]))}
             self.exposed = {}
         if changed:
             self.ops.append(SetWeights(changed))
             self.remember()
+        else:
+            self.seen = now  # each as self.versions has it
 
 
 
