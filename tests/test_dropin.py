@@ -9,6 +9,10 @@ import torch
 from models import same
 from scenario import scenario
 
+# the module-wide fixture plays every oracle in one scenario (its own timeout: 900 s),
+# about 2.5 min on 2 cores: pytest-timeout's default 300 s is too near on a busy machine
+pytestmark = pytest.mark.timeout(1200)
+
 
 def run(tmp_path, *args, timeout=300):
     out = tmp_path / f"{args[0]}.pt"
