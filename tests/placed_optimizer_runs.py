@@ -227,16 +227,21 @@ def after_fit(out):
 
 
 class Started(pl.Callback):
-    """Writes ``OUT.started`` once the first batch has trained, then waits for ``OUT.go``
-    (the test lets one fit run at a time: the others idle, not competing for the CPU)."""
+    """Writes ``OUT.started`` once the first batch has trained (this process's pid, then
+    its workers', which may be forked by another process than this one), then waits for
+    ``OUT.go`` (the test lets one fit run at a time: the others idle, not competing for
+    the CPU)."""
 
     def __init__(self, out):
         self.out = out
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 0 and not os.path.exists(self.out + ".started"):
-            with open(self.out + ".started", "w") as f:
-                f.write(str(os.getpid()))
+            ran = {pid for names in trainer.strategy.where().values()
+                   for pids in names.values() for pid in pids}
+            with open(self.out + ".started.part", "w") as f:
+                f.write(" ".join(map(str, [os.getpid(), *sorted(ran - {os.getpid()})])))
+            os.replace(self.out + ".started.part", self.out + ".started")  # whole, at once
             deadline = time.monotonic() + 600
             while not os.path.exists(self.out + ".go") and time.monotonic() < deadline:
                 time.sleep(0.05)
