@@ -35,10 +35,8 @@ def forked_workers():
         yield None
         return
     from somatize.remote import fork_workers
-    from somatize.remote._forks import WORKER_PRELOAD
-    from somatize.remote._private import OPTIMIZER_IMPORTS
 
-    server = fork_workers([*WORKER_PRELOAD, *OPTIMIZER_IMPORTS, "lightning.pytorch"])
+    server = fork_workers(["lightning.pytorch"])
     yield server
     server.close()
 

@@ -14,6 +14,16 @@ import os
 import signal
 
 
+def process_state(pid: int) -> str:
+    """Process ``pid``'s state letter (``R``, ``S``, ``T`` stopped, ``Z`` a zombie...), or
+    ``?`` when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
 def why_exited(pid: int, code: int) -> str:
     """Why process ``pid`` ended with ``code`` (a Popen returncode)."""
     if code == -signal.SIGKILL:

@@ -105,7 +105,7 @@ def _refusal(conn: socket.socket, request: dict, fds: list, mine: dict) -> str |
     if uid != os.getuid():
         return f"refused: uid {uid} is not this server's user"
     if _namespaces(pid) != _namespaces(os.getpid()):  # a fork lives where its server does
-        return "refused: it runs in other namespaces (network, mounts) than this server"
+        return "refused: it runs in other namespaces (network, mounts, pids) than this server"
     if len(fds) != 3 or not isinstance(request.get("argv"), list) or not request["argv"]:
         return "refused: a request is argv, cwd, env and three streams"
     theirs = read_at_start(request["env"])

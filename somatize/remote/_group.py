@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 from .._errors import WorkerError
 from . import _membership, _private, _sealed, _secret
-from ._death import why_exited
+from ._death import process_state, why_exited
 from ._settings import COORDINATOR, _started, backend_options, keep_on_loopback, loopback, settings
 from ._spawn import ask_daemon, spawn, warm
 from ._worker import Worker
@@ -238,7 +238,7 @@ class Group:
     def _late(self, p: Peer) -> str:
         # not started in time, or cannot reach: the gate knows whom it has seen
         raise_it = "or raise somatize.remote.configure(timeout=...)"
-        if p.proc is not None and _state(p.proc.pid) == "T":
+        if p.proc is not None and process_state(p.proc.pid) == "T":
             return (f"its process (pid {p.proc.pid}) is stopped (SIGSTOP, Ctrl-Z or a "
                     "debugger holds it) and did not start in time")
         if self.static is None and p.name in self._gate.seen:
@@ -347,14 +347,6 @@ def group() -> Group:
     if _group is None:
         _group = Group()
     return _group
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
 
 
 def _threads_here() -> int:
