@@ -184,3 +184,35 @@ def test_the_fork_server_forks_for_its_own_user_only(forked_workers):
             os._exit(2)
     _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0  # refused
+
+
+def test_the_fork_server_refuses_what_it_cannot_run_and_serves_on(tmp_path):
+    # junk, a request without streams, and `-c` (neither a module nor a script) are
+    # refused with a word; a client that connects and says nothing holds up no one; a
+    # script is still forked after them all
+    import socket
+
+    from somatize.remote._forks import ForkServer
+
+    server = ForkServer.start(["json"])
+    try:
+        said = []
+        for junk in (b"not json", json.dumps({"argv": ["x.py"], "cwd": "/", "env": {}}).encode()):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            c.connect(server.path)
+            c.send(junk)
+            c.settimeout(30)
+            said.append(c.recv(200))
+            c.close()
+        assert said == [b"", b"refused: a request is argv, cwd, env and three streams"]
+        silent = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        silent.connect(server.path)
+        assert server.popen(["-c", "print(1)"], env(), str(tmp_path)) is None
+        script = tmp_path / "hi.py"
+        script.write_text("print('hi')\n")
+        proc = server.popen([str(script)], env(), str(tmp_path), stdout=subprocess.PIPE,
+                            text=True)
+        assert proc.communicate(timeout=60)[0] == "hi\n" and proc.returncode == 0
+        silent.close()
+    finally:
+        server.close()

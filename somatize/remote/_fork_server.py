@@ -108,6 +108,9 @@ def _refusal(conn: socket.socket, request: dict, fds: list, mine: dict) -> str |
         return "refused: it runs in other namespaces (network, mounts, pids) than this server"
     if len(fds) != 3 or not isinstance(request.get("argv"), list) or not request["argv"]:
         return "refused: a request is argv, cwd, env and three streams"
+    argv = request["argv"]
+    if argv[0].startswith("-") and (argv[0] != "-m" or len(argv) < 2):
+        return f"refused: {argv[0]!r}: it forks `-m MODULE ARGS` or `SCRIPT ARGS` only"
     theirs = read_at_start(request["env"])
     if theirs != mine:
         differ = sorted(k for k in {*theirs, *mine} if theirs.get(k) != mine.get(k))
