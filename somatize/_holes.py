@@ -24,6 +24,9 @@ class Pending(Protocol):
         """Wait for the answer and return it; a worker's failure is raised here, as a
         ``WorkerError`` naming the worker (or the node's own error type)."""
 
+    def done(self) -> bool:
+        """Whether the answer is here (``result()`` would not wait)."""
+
 
 class Spec(Protocol):
     """How a host's worker is had (``somatize.remote.Worker`` is one)."""

@@ -3,21 +3,26 @@ a fresh process (RPC starts once per process); tests/test_mixed_routes.py reads 
 saves.
 
     python tests/mixed_runs.py mixed OUT.pt
+    python tests/mixed_runs.py interrupted MARKER   # Ctrl-C at the fourth step
+    python tests/mixed_runs.py refused OUT.json     # the graph route refuses at setup
 """
 
+import json
 import os
+import signal
 import sys
 
 import lightning.pytorch as pl
 import torch
 import torch.utils.data as tud
+from scenario import play
 from torch import nn
 from torch.nn import functional as F
 
 from examples.digits_graph import Body, Head
-from somatize import Graph
+from somatize import Graph, Refused
 from somatize.lightning import SomatizeStrategy
-from somatize.torch import GraphModule
+from somatize.torch import GraphModule, Split
 
 
 class Mixed(pl.LightningModule):
@@ -53,24 +58,91 @@ def data():
     return tud.DataLoader(tud.TensorDataset(x, y), batch_size=16)
 
 
-def fit(strategy):
+class Shared(pl.Callback):
+    """What the strategy's session holds, read during fit (at the third step)."""
+
+    def __init__(self):
+        self.seen = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx != 2 or self.seen is not None:
+            return
+        s = trainer.strategy
+        session, placed, graph = s.session(), s.session("encoder"), s.session("net")
+        self.seen = {
+            "parts": sorted(session.parts), "one": placed.session is session is graph.session,
+            "placed": placed.name, "graph": graph.name, "none": s.session("head") is None,
+            "traffic": [session.traffic(), placed.traffic(), graph.traffic()],
+            "open": [not placed.closed, not graph.closed]}
+
+
+class CtrlC(pl.Callback):
+    """Ctrl-C at the fourth step, once the workers' pids are written to ``marker``."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if batch_idx == 3:
+            where = trainer.strategy.where()  # the placed module's and the body node's
+            pids = {*where[""]["encoder"], *where["net"]["body"]}
+            with open(self.marker, "w") as f:
+                json.dump(sorted(pids), f)
+            os.kill(os.getpid(), signal.SIGINT)  # Python's own Ctrl-C, here and now
+
+
+def fit(strategy, *more):
     pl.seed_everything(0)
     model, losses = Mixed(), Losses()
     pl.Trainer(max_epochs=2, logger=False, enable_progress_bar=False,
                enable_model_summary=False, enable_checkpointing=False, strategy=strategy,
-               callbacks=[losses]).fit(model, data())
+               callbacks=[losses, *more]).fit(model, data())
     return losses.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def mixed(out):
     plain_losses, plain = fit("auto")
-    strategy = SomatizeStrategy(place={"encoder": "worker"})
-    split_losses, split = fit(strategy)
+    strategy, shared = SomatizeStrategy(place={"encoder": "worker"}), Shared()
+    split_losses, split = fit(strategy, shared)
+    after = {"parts": {n: p.closed for n, p in strategy.session().parts.items()},
+             "traffic": strategy.traffic()}
+    strategy.close()  # what stayed open for a validate or test after fit ends now
+    after["closed"] = strategy.session().closed
     pl.seed_everything(0)
     fresh = {k: v.detach().clone() for k, v in Mixed().state_dict().items()}
     torch.save({"plain": (plain_losses, plain), "split": (split_losses, split),
-                "fresh": fresh, "where": strategy.where(), "pid": os.getpid()}, out)
+                "fresh": fresh, "where": strategy.where(), "pid": os.getpid(),
+                "seen": shared.seen, "after": after}, out)
+
+
+def refused(out):
+    """The graph route refuses (clipping with a node trained by a Split) after the placed
+    route has opened: what the placed route did at setup is undone, the session closed."""
+    model = Mixed()
+    strategy = SomatizeStrategy(place={"encoder": "worker"},
+                                trains={"body": Split(torch.optim.SGD, lr=0.1)})
+    trainer = pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False,
+                         enable_checkpointing=False, strategy=strategy, gradient_clip_val=1.0)
+    said = None
+    try:
+        trainer.fit(model, data())
+    except Refused as e:
+        said = str(e)
+    x = torch.rand(2, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        here = model.encoder(x)
+        plain = torch.tanh(torch.nn.functional.linear(x, model.encoder[0].weight,
+                                                      model.encoder[0].bias))
+    with open(out, "w") as f:
+        json.dump({"said": said, "own_forward": "forward" not in vars(model.encoder),
+                   "same": torch.equal(here, plain), "closed": strategy.session().closed,
+                   "routes": len(strategy.routes)}, f)
+
+
+def interrupted(marker):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even as a background job
+    fit(SomatizeStrategy(place={"encoder": "worker"}), CtrlC(marker))
 
 
 if __name__ == "__main__":
-    globals()[sys.argv[1]](*sys.argv[2:])
+    play(globals(), sys.argv)

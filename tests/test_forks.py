@@ -69,7 +69,10 @@ def test_a_forked_scenario_sees_and_says_what_a_fresh_interpreter_does(script, t
 def test_a_forked_scenario_ends_as_a_process_does(script, tmp_path):
     warm = Forks.get(env())
     slow = tmp_path / "slow.py"
-    slow.write_text("import time, sys\nprint('up', flush=True)\ntime.sleep(60)\n")
+    # Python's own Ctrl-C even when the suite runs as a background job (SIGINT ignored)
+    slow.write_text("import signal, time\n"
+                    "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+                    "print('up', flush=True)\ntime.sleep(60)\n")
     ended = []
     for proc in (warm.start([str(slow)], tmp_path, env()),
                  subprocess.Popen(command(slow), cwd=tmp_path, env=env(), text=True,

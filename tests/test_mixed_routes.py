@@ -1,24 +1,29 @@
 """Both routes in one LightningModule: a submodule placed by name and a GraphModule with
 a node placed by ``.at(...)``, trained together under SomatizeStrategy to plain
-Lightning's numbers, bit for bit (tests/mixed_runs.py, in a fresh process)."""
+Lightning's numbers, bit for bit, as parts of one session (tests/mixed_runs.py, in a
+fresh process)."""
 
+import contextlib
+import json
 import os
-import subprocess
-import sys
+import signal
+import time
 
+import pytest
 import torch
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-RUNS = os.path.join(ROOT, "tests", "mixed_runs.py")
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+from scenario import scenario, start
 
 
-def test_a_placed_submodule_and_a_graph_node_placed_in_one_model_both_train_exactly(tmp_path):
-    out = tmp_path / "mixed.pt"
-    done = subprocess.run([sys.executable, RUNS, "mixed", str(out)], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT, env=ENV)
-    assert done.returncode == 0, done.stderr[-3000:]
-    got = torch.load(out, weights_only=False)
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """One mixed fit, plain and under the strategy, and what it saw (run once)."""
+    out = tmp_path_factory.mktemp("mixed") / "mixed.pt"
+    scenario("mixed_runs.py", "mixed", out, timeout=600)
+    return torch.load(out, weights_only=False)
+
+
+def test_a_placed_submodule_and_a_graph_node_placed_in_one_model_both_train_exactly(mixed):
+    got = mixed
     plain_losses, plain = got["plain"]
     split_losses, split = got["split"]
     assert len(plain_losses) == 12 and split_losses == plain_losses
@@ -26,7 +31,66 @@ def test_a_placed_submodule_and_a_graph_node_placed_in_one_model_both_train_exac
     for k in plain:
         assert torch.equal(split[k], plain[k]), k
         assert not torch.equal(plain[k], got["fresh"][k]), k  # every weight trained
-    # each route's work ran in a worker process, every step
+    # each route's work ran in a worker process, every step: the same one (one host)
     where = got["where"]
     assert got["pid"] not in where[""]["encoder"] and sum(where[""]["encoder"].values()) >= 12
     assert got["pid"] not in where["net"]["body"] and sum(where["net"]["body"].values()) >= 12
+    assert where[""]["encoder"].keys() == where["net"]["body"].keys()
+
+
+def test_the_two_routes_of_a_fit_are_parts_of_one_session_that_closes_them_both(mixed):
+    seen, after = mixed["seen"], mixed["after"]
+    # during fit: session(name) answers the part that runs name, both of one session
+    assert seen["parts"] == ["", "net"] and seen["one"] is True
+    assert (seen["placed"], seen["graph"], seen["none"]) == ("", "net", True)
+    assert seen["open"] == [True, True]
+    total, placed, graph = seen["traffic"]
+    assert placed[1] > 0 and graph[1] > 0  # both sent something
+    assert total[1:] == (placed[1] + graph[1], placed[2] + graph[2])
+    # after fit the placed part is closed (its modules have their own forward back), the
+    # graph's stays for a validate or test; its traffic still counts; close() ends all
+    assert after["parts"] == {"": True, "net": False}
+    assert after["traffic"][1] >= total[1] and after["closed"] is True
+
+
+def test_a_refusal_of_one_route_at_setup_undoes_what_the_other_route_opened(tmp_path):
+    out = tmp_path / "refused.json"
+    scenario("mixed_runs.py", "refused", out)
+    got = json.loads(out.read_text())
+    assert got["said"].startswith("gradient_clip_val with a GraphModule's nodes trained")
+    # the placed encoder has its own forward back and computes here; nothing stays open
+    assert got["own_forward"] is True and got["same"] is True
+    assert got["closed"] is True and got["routes"] == 0
+
+
+def _alive(pids):
+    left = set()
+    for p in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{p}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                left.add(p)
+    return left
+
+
+def test_ctrl_c_in_a_mixed_fit_stops_both_routes_workers_and_says_what_each_loses(tmp_path):
+    marker = tmp_path / "pids.json"
+    proc = start("mixed_runs.py", "interrupted", marker)
+    workers = set()
+    try:
+        _, err = proc.communicate(timeout=300)
+        workers = set(json.loads(marker.read_text()))
+        assert workers and proc.pid not in workers
+        deadline = time.monotonic() + 10
+        while _alive(workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(workers)  # stopped, not left to the exit of this test's process
+    finally:
+        proc.kill()
+        for p in _alive(workers):
+            with contextlib.suppress(OSError):
+                os.kill(p, signal.SIGKILL)
+    assert proc.returncode == 1, err[-3000:]  # Lightning's exit after a Ctrl-C
+    # each route says what is not brought here; teardown asked nothing of the dead workers
+    assert "what ['encoder'] trained on the workers" in err, err[-3000:]
+    assert "what the placed nodes of ['net'] trained on the workers" in err, err[-3000:]
+    assert "Traceback" not in err and "WorkerError" not in err, err[-3000:]

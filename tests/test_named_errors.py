@@ -34,7 +34,7 @@ def test_workers_that_is_not_a_dict_says_what_to_give():
     from somatize.torch._session import Session
     from somatize.torch._step import Step
 
-    for door in (lambda: Session(g, workers=[1]), lambda: runtime_for(g, [1]),
+    for door in (lambda: Session(workers=[1]), lambda: runtime_for(g, [1]),
                  lambda: Step(g, workers=[1])):
         with pytest.raises(WorkerError, match=r"workers= takes a dict \{host: Worker\}, not "
                                               r"a list: e\.g\. workers=\{'gpu'"):

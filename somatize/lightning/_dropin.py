@@ -10,7 +10,7 @@ group by group, and its mirror steps when it steps, with the groups' hyper-param
 as they are then. The copy here is brought up to date at epoch ends, before
 validation and checkpoints, at teardown, and on ``trainer.strategy.sync()``.
 
-    place = DropIn(model, {"encoder": "worker"}, optimizers, workers=None)
+    place = DropIn(model, {"encoder": "worker"}, optimizers, Session(workers=None))
     place.stepped(optimizer); place.sync(); place.close()
 """
 
@@ -41,11 +41,11 @@ class DropIn:
         model: the LightningModule.
         place: ``{submodule path: worker name}`` (paths as ``get_submodule`` takes them).
         optimizers: Lightning's optimizers (they keep the placed parameters).
-        workers: ``{worker name: Worker}``; embedded ones when not given.
+        session: the fit's ``Session``: the placed modules are its part ``""``.
     """
 
     def __init__(self, model: torch.nn.Module, place: Mapping[str, str],
-                 optimizers: list, workers: Any = None, lightning_optimizers: list = (),
+                 optimizers: list, session: Session, lightning_optimizers: list = (),
                  precision: Any = None, here: Any = None,
                  trains: Mapping[str, Any] | None = None, schedulers: list = ()):
         self.modules = placed_modules(model, place)
@@ -70,10 +70,8 @@ class DropIn:
         graph = Graph({p: Placed(m) for p, m in self.modules.items()}, [],
                       Placement(dict(place)))
         # one node per module, no edges: how each module, as it is now, is sent once
-        self.session = Session(graph, workers=workers)
-        if self.session.runtime is not None:  # no graph here to close: the fit is what restarts
-            self.session.runtime.restart = "run the fit again (it starts fresh workers)"
-        self.links = {p: Link(self.session, p, m, place[p], here)
+        self.part = session.open("", graph)
+        self.links = {p: Link(self.part, p, m, place[p], here)
                       for p, m in self.modules.items()}
         # the optimizers over there, and what keeps them in step with the ones here
         self.mirror = Mirror(self.modules, self.links, self.optimizers, trains, schedulers)
@@ -145,10 +143,11 @@ class DropIn:
 
     def where(self) -> dict[str, dict[int, int]]:
         """Which processes ran each placed module, and how often: ``{path: {pid: times}}``."""
-        return self.session.where()
+        return self.part.where()
 
     def interrupt(self) -> None:
-        """Ctrl-C: stop the workers now, waiting for nothing, and say what is not saved."""
+        """Ctrl-C: ask nothing more of the workers (the session stops them), and say what
+        is not saved."""
         self.interrupted = True
         trained = [p for p in self.modules if self.mirror.trained(p)]
         if trained:
@@ -156,7 +155,6 @@ class DropIn:
                         "epoch end, validation or checkpoint is not brought here: the weights "
                         "here, the optimizers' states and a checkpoint written now are those "
                         "of the last sync. Resume from the last checkpoint", trained)
-        self.session.runtime.abort("it was stopped when this process was interrupted (Ctrl-C)")
 
     def settle(self) -> None:
         """Wait for the backwards still in flight over there."""
@@ -168,7 +166,7 @@ class DropIn:
     def close(self, pull: bool = True) -> None:
         """Bring the weights here up to date and the mirrors' states into the optimizers
         here (unless the worker is lost), give the module its own forward back, and end
-        the session."""
+        its part of the session."""
         try:
             if pull and not self.interrupted:
                 states = self.sync()
@@ -178,4 +176,4 @@ class DropIn:
             for link in self.links.values():
                 link.uninstall()
             self.mirror.restore()
-            self.session.close()
+            self.part.close()

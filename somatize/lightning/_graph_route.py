@@ -1,11 +1,12 @@
 """The graph route: GraphModules inside a LightningModule whose nodes are placed with
 ``.at("worker")``. Each runs as ``somatize.torch``'s ``Step`` (the one ``Trainer``
-drives, so its refusals are the Trainer's); a placed node with parameters is trained
+drives, so its refusals are the Trainer's), a part of the fit's session under its name
+in the LightningModule; a placed node with parameters is trained
 where it runs by a ``Split``: the user's (``trains={node_id: Split(...)}``), else a
 mirror of the Lightning optimizer that holds its parameters (same class and
 hyper-parameters), whose parameters are then taken out of that optimizer.
 
-    route = GraphRoute.open(strategy, trainer, {"body": Split(SGD, lr=0.1)})
+    route = GraphRoute.open(strategy, trainer, {"body": Split(SGD, lr=0.1)}, session)
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class GraphRoute(Route):
 
     @override
     @classmethod
-    def open(cls, strategy: Any, trainer: Any, trains: Mapping[str, Any]) -> GraphRoute | None:
+    def open(cls, strategy: Any, trainer: Any, trains: Mapping[str, Any],
+             session: Session) -> GraphRoute | None:
         model = strategy.lightning_module
         chosen = _trains(strategy, model, trainer, trains) if trainer.training else {}
         named = {name: m for name, m in model.named_modules()
@@ -57,16 +59,16 @@ class GraphRoute(Route):
         runs = {}
         for name, gm in named.items():
             mine = {n: t for n, t in chosen.items() if n in gm.graph.catalog}
-            runs[name] = Step(gm.graph, mine, workers=strategy.workers, store=gm.store,
-                              optimizers=strategy.optimizers, defer=False)
+            runs[name] = Step(gm.graph, mine, store=gm.store, optimizers=strategy.optimizers,
+                              defer=False, session=session, name=name)
             gm.runner = _runner(runs[name])
         hosts = sorted({h for run in runs.values() for h in run.running.placement.workers()})
         log.info("the graph's placed nodes run on workers %s", hosts)
         return cls(named, runs)
 
     @override
-    def sessions(self) -> dict[str, Session]:
-        return {name: run.session for name, run in self.runs.items()}
+    def part_of(self, name: str) -> str | None:
+        return name if name in self.runs else None
 
     @property
     @override
@@ -107,6 +109,15 @@ class GraphRoute(Route):
                 self.runs[name].load_state({n: {"trainer": st} for n, st in states.items()})
 
     @override
+    def on_exception(self, exception: BaseException) -> None:
+        trained = [name for name, run in self.runs.items() if run.trains]
+        if isinstance(exception, KeyboardInterrupt) and trained:
+            log.warning("interrupted (Ctrl-C): what the placed nodes of %s trained on the "
+                        "workers is not brought here: the weights here and a checkpoint "
+                        "written now are those of the last epoch end, validation or "
+                        "checkpoint. Resume from the last checkpoint", trained)
+
+    @override
     def close(self, pull: bool) -> None:
         try:
             if pull:
@@ -115,11 +126,6 @@ class GraphRoute(Route):
             for name, run in self.runs.items():
                 self.modules[name].runner = None  # its own forward again
                 run.discard()
-
-    @override
-    def release(self) -> None:
-        for run in self.runs.values():
-            run.close()
 
 
 def _limits(strategy: Any, trainer: Any) -> None:

@@ -4,7 +4,7 @@ placed module is trained over there by mirrors of the Lightning optimizers that 
 parameters, group by group; ``trains={path: Split(Adam, lr=...)}`` (or an optimizer
 factory) chooses the optimizer over there for that module instead.
 
-    route = PlacedRoute.open(strategy, trainer, {"encoder": Split(Adam, lr=1e-3)})
+    route = PlacedRoute.open(strategy, trainer, {"encoder": Split(Adam, lr=1e-3)}, session)
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from ._route import Route
 
 
 class PlacedRoute(Route):
-    """The placed submodules of one LightningModule (one ``DropIn``, one session)."""
+    """The placed submodules of one LightningModule (one ``DropIn``, the part ``""`` of
+    the fit's session)."""
 
     def __init__(self, dropin: DropIn):
         self.dropin = dropin
@@ -35,7 +36,8 @@ class PlacedRoute(Route):
 
     @override
     @classmethod
-    def open(cls, strategy: Any, trainer: Any, trains: Mapping[str, Any]) -> PlacedRoute | None:
+    def open(cls, strategy: Any, trainer: Any, trains: Mapping[str, Any],
+             session: Session) -> PlacedRoute | None:
         if not strategy.place:
             return None
         if trains and trainer.training and (
@@ -46,15 +48,15 @@ class PlacedRoute(Route):
                 "scale. Drop trains= (mirrors of your optimizers clip and unscale as one piece "
                 "would), or train without them")
         dropin = DropIn(strategy.lightning_module, strategy.place, strategy.optimizers,
-                        strategy.workers, lightning_optimizers(strategy),
+                        session, lightning_optimizers(strategy),
                         strategy.precision_plugin, strategy.root_device, trains=trains,
                         schedulers=[c.scheduler for c in strategy.lr_scheduler_configs])
         dropin.fitting(trainer.training)
         return cls(dropin)
 
     @override
-    def sessions(self) -> dict[str, Session]:
-        return dict.fromkeys(self.dropin.modules, self.dropin.session)
+    def part_of(self, name: str) -> str | None:
+        return "" if name in self.dropin.modules else None
 
     @property
     @override
@@ -100,13 +102,9 @@ class PlacedRoute(Route):
             self.dropin.settle()
 
     @override
-    def where(self) -> dict[str, dict[str, dict[int, int]]]:
-        return {"": self.dropin.where()}  # placed submodules by path, under ""
-
-    @override
     def on_exception(self, exception: BaseException) -> None:
         if isinstance(exception, KeyboardInterrupt) and not self.closed:
-            self.dropin.interrupt()  # teardown then waits for no worker, and says what is lost
+            self.dropin.interrupt()  # teardown asks nothing of the workers; says what is lost
 
     @override
     def close(self, pull: bool) -> None:

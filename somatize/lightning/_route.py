@@ -3,8 +3,10 @@ placed with ``.at(...)``) and the placed route (submodules placed by name, ``pla
 answer the same questions, so ``SomatizeStrategy`` holds a list of routes and asks each
 in turn, never which kind it is.
 
-    routes = [r for kind in ROUTES if (r := kind.open(strategy, trainer, trains))]
+    session = Session(workers=strategy.workers)       # what the fit's routes share
+    routes = [r for kind in ROUTES if (r := kind.open(strategy, trainer, trains, session))]
     for r in routes: r.optimizer_stepped(optimizer)
+    session.where(); session.close()                  # asked of the session, not a route
 """
 
 from __future__ import annotations
@@ -27,13 +29,15 @@ class Route(ABC):
 
     @classmethod
     @abstractmethod
-    def open(cls, strategy: Any, trainer: Any, trains: Mapping[str, Any]) -> Route | None:
-        """This route for the fit starting (None when the model has nothing for it);
-        ``trains``: the entries of ``trains=`` it names."""
+    def open(cls, strategy: Any, trainer: Any, trains: Mapping[str, Any],
+             session: Session) -> Route | None:
+        """This route for the fit starting, as parts of the fit's ``session`` (None when
+        the model has nothing for it); ``trains``: the entries of ``trains=`` it names."""
 
     @abstractmethod
-    def sessions(self) -> dict[str, Session]:
-        """The sessions it runs on, by what they run (a GraphModule's name, a placed path)."""
+    def part_of(self, name: str) -> str | None:
+        """The session part that runs ``name`` (a GraphModule's name, a placed path), or
+        None when this route does not run it."""
 
     @property
     @abstractmethod
@@ -73,26 +77,14 @@ class Route(ABC):
         """Wait for the work still in flight over there."""
         return None  # nothing to do unless the route says otherwise
 
-    def where(self) -> dict[str, dict[str, dict[int, int]]]:
-        """Which processes ran what, by session name: ``{name: {node: {pid: times}}}``."""
-        return {name: s.where() for name, s in self.sessions().items()}
-
-    def traffic(self) -> tuple[float, int, int]:
-        """Seconds waited on workers, bytes sent, bytes received, over its sessions."""
-        got = [s.traffic() for s in {id(s): s for s in self.sessions().values()}.values()]
-        return (sum(g[0] for g in got), sum(g[1] for g in got), sum(g[2] for g in got))
-
     def on_exception(self, exception: BaseException) -> None:
-        """The fit ends with ``exception`` (before teardown): a Ctrl-C
-        (``KeyboardInterrupt``) asks that teardown wait for no worker."""
+        """The fit ends with ``exception`` (before teardown; on a Ctrl-C,
+        ``KeyboardInterrupt``, the session stops the workers right after): say what is
+        lost, ask nothing more of the workers."""
         return None  # nothing to do unless the route says otherwise
 
     @abstractmethod
     def close(self, pull: bool) -> None:
         """The fit is over: bring the weights here (``pull``), give the modules their own
-        forward back. Sessions may stay open for the next fit's reuse (``release``)."""
-
-    def release(self) -> None:
-        """End its sessions over there (idempotent)."""
-        for s in {id(s): s for s in self.sessions().values()}.values():
-            s.close()
+        forward back. Its parts may stay open for a validate or test after fit (the
+        session closes them)."""

@@ -8,7 +8,9 @@ LightningModule on workers; the rest runs here as it always did.
 Two routes do the work (``_route.py``), each asked the same questions in turn: the
 placed route (submodules named in ``place=``, ``_placed_route.py``) and the graph route
 (GraphModules whose nodes are placed with ``.at(...)``, ``_graph_route.py``). A model may
-use both. Workers are ``somatize.remote``'s: embedded (started here on loopback) when
+use both. Both stand on one ``Session`` per fit (``somatize/torch/_session.py``): the
+account of what ran where, the traffic, a Ctrl-C and the close are the session's.
+Workers are ``somatize.remote``'s: embedded (started here on loopback) when
 none are given, standing with ``workers={"worker": Worker.at("node3:7000")}``, and under
 torchrun ranks >= 1 serve (``_launcher.py``) and exit 0 when the coordinator is done.
 """
@@ -83,6 +85,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
         self._warm_up([])
         self.store = store
         self.routes: list[Route] = []
+        self._session: Session | None = None  # the fit's (kept after it: where(), traffic())
         self._broken = False
 
     @override
@@ -126,10 +129,10 @@ class SomatizeStrategy(SingleDeviceStrategy):
         self.close()
 
     def close(self) -> None:
-        """End this strategy's sessions on its workers (the worker processes are shared
+        """End this strategy's session on its workers (the worker processes are shared
         and stop when nobody uses them, or at exit)."""
-        for route in self.routes:
-            route.release()
+        if self._session is not None:
+            self._session.close()
 
     # -- setup ------------------------------------------------------------------------
     @override
@@ -147,26 +150,36 @@ class SomatizeStrategy(SingleDeviceStrategy):
             log.warning("a worker was lost with what it trained (%s): this run starts from the "
                         "copy here; resume from the last checkpoint to continue the lost run",
                         self._lost)
-            self._lost, self._broken = None, False
+            self._lost = None
+        self._broken = False  # a new fit: a worker lost (or Ctrl-C) in the last one is gone
         old, self.routes = self.routes, []
         for route in old:  # a fit that ended without teardown (an exception in setup)
             route.close(pull=False)
         names = {kind: kind.names(self, model) for kind in ROUTES}
         refuse_unknown(self.trains, GraphRoute.names(self, model), self.place)
-        # the new sessions first: the worker processes of the old ones are reused
-        for kind in ROUTES:
-            mine = {n: t for n, t in self.trains.items() if n in names[kind]}
-            route = kind.open(self, trainer, mine)
-            if route is not None:
-                self.routes.append(route)
-        for route in old:
-            route.release()
+        # the new session first: the worker processes of the old one are reused
+        last, self._session = self._session, Session(
+            workers=self.workers, restart="run the fit again (it starts fresh workers)")
+        try:
+            for kind in ROUTES:
+                mine = {n: t for n, t in self.trains.items() if n in names[kind]}
+                route = kind.open(self, trainer, mine, self._session)
+                if route is not None:
+                    self.routes.append(route)
+        except BaseException:
+            opened, self.routes = self.routes, []  # teardown finds nothing left to close
+            for route in opened:  # what opened gives the modules their forward back
+                route.close(pull=False)
+            self._session.close()
+            raise
+        finally:
+            if last is not None:
+                last.close()
         if not any(isinstance(c, _EpochEnd) for c in trainer.callbacks):
             trainer.callbacks.insert(0, _EpochEnd())  # before the user's own
         if self._tracer is not None:
-            for route in self.routes:
-                for session in route.sessions().values():
-                    self._tracer.add(session.runtime)
+            for runtime in self._session.runtimes():
+                self._tracer.add(runtime)
         if not self.routes:
             log.warning(
                 "SomatizeStrategy places nothing: every module of %s runs here, as under "
@@ -179,24 +192,23 @@ class SomatizeStrategy(SingleDeviceStrategy):
         """Which processes ran each node of each GraphModule, and how often:
         ``{graph_module_name: {node: {pid: times}}}`` (the worker's pid for placed nodes);
         placed submodules under ``""``: ``{"": {"encoder": {pid: times}}}``."""
-        out: dict[str, dict[str, dict[int, int]]] = {}
-        for route in self.routes:
-            out.update(route.where())
-        return out
+        return {} if self._session is None else self._session.where()
 
     def traffic(self) -> tuple[float, int, int]:
         """Seconds this process waited on workers, bytes sent, bytes received, so far."""
-        got = [route.traffic() for route in self.routes]
-        return (sum(g[0] for g in got), sum(g[1] for g in got), sum(g[2] for g in got))
+        return (0.0, 0, 0) if self._session is None else self._session.traffic()
 
-    def session(self, name: str) -> Session | None:
-        """The session that runs ``name`` (a placed module's path, or a GraphModule's name
-        in the LightningModule): ``session(name).call(host, fn, *args)`` runs
-        ``fn(live_graph, *args)`` over there. None when nothing placed runs it."""
+    def session(self, name: str | None = None) -> Any:
+        """The fit's ``Session``; with ``name`` (a placed module's path, or a GraphModule's
+        name in the LightningModule) the part of it that runs ``name``:
+        ``session(name).call(host, fn, *args)`` runs ``fn(live_graph, *args)`` over there.
+        None when nothing placed runs it (or the fit's run over there is over)."""
+        if name is None or self._session is None:
+            return self._session
         for route in self.routes:
-            got = route.sessions().get(name)
-            if got is not None and not got.closed:
-                return got
+            part = route.part_of(name)
+            if part is not None:
+                return self._session.part(part)
         return None
 
     def sync(self) -> None:
@@ -304,6 +316,9 @@ class SomatizeStrategy(SingleDeviceStrategy):
     def on_exception(self, exception: BaseException) -> None:
         for route in self.routes:
             route.on_exception(exception)
+        if isinstance(exception, KeyboardInterrupt) and self._session is not None:
+            self._broken = True  # teardown asks nothing of the workers, and waits for none
+            self._session.abort("it was stopped when this process was interrupted (Ctrl-C)")
         if isinstance(exception, WorkerError):
             self._broken = True
             if any(route.trains for route in self.routes):

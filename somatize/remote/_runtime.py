@@ -308,6 +308,9 @@ class _Pending:
     def result(self):
         return self.rt._answer(self.peer, self.what, self.fut)
 
+    def done(self) -> bool:
+        return self.fut.done()
+
 
 def _wait(fut) -> Any:
     """``fut.wait()``, in slices the main thread can be interrupted between (Ctrl-C):

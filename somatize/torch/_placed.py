@@ -9,7 +9,7 @@ per call whose backward sends dL/d(outputs) and receives dL/d(arguments). The we
 gradients accumulate over there, where optimizers that mirror the ones here (group by
 group, hyper-parameters sent with each step) apply them.
 
-    link = Link(session, "encoder", module)   # session: a Session over the placed modules
+    link = Link(part, "encoder", module)      # part: the placed modules' share of a Session
     link.install()                            # module(x) now runs over there
     y = module(x, mask=m); y.sum().backward() # the encoder's weights get .grad there
     link.queue(Step(0, groups))               # an optimizer step (_mirror_ops), queued
@@ -119,12 +119,12 @@ class _Remote(torch.autograd.Function):
 class Link:
     """The module here, standing in for the one placed on ``host``: calls go there."""
 
-    def __init__(self, session: Any, name: str, module: torch.nn.Module, host: str,
+    def __init__(self, part: Any, name: str, module: torch.nn.Module, host: str,
                  here: torch.device | None = None):
-        self.session, self.name, self.module, self.host = session, name, module, host
+        self.part, self.name, self.module, self.host = part, name, module, host
         # where the model's other half computes, and where the placed module computes
         self.here = torch.device(here or "cpu")
-        peers = session.runtime.peers
+        peers = part.runtime.peers
         self.device = peers[host].device if peers.get(host) else "cpu"
         if self.here.type != "cpu" or self.device != "cpu":
             log.info("module %r computes on %s on worker %r, the rest on %s here: tensors cross "
@@ -208,7 +208,7 @@ class Link:
             self.ops.append(SetRequiresGrad(flags))
             self.flags = flags
         # the math settings (threads, TF32...) as the session sends them, when changed
-        self.session.follow_math([self.host])  # (ordered: they arrive before this call)
+        self.part.follow_math([self.host])  # (ordered: they arrive before this call)
         attrs = self.attributes.changed()  # a dropout's p, track_running_stats...
         if attrs is not None:
             self.ops.append(attrs)
@@ -224,7 +224,7 @@ class Link:
         if here.type != "cpu":
             self.answer = [_moved(t, here) for t in self.answer]
         torch.set_rng_state(rng)  # what one piece's draws would have left it at
-        self.session.account.add(self.name, pid)
+        self.part.add(self.name, pid)
         self.stale = self.stale or self.buffered  # its buffers may have moved over there
         outs = self.answer
         if kept:  # something over there asks for dL/d(outputs): the call is in the graph
@@ -250,7 +250,7 @@ class Link:
         if not any(needs):
             # nothing here waits for dL/d(arguments): the backward over there overlaps with
             # the rest of this one; the next call to the worker waits for it first
-            self._inflight.append(self.session.runtime.call_async(self.host, *args))
+            self._inflight.append(self.part.runtime.call_async(self.host, *args))
             return []
         back = self._rpc(*args)
         return [None if g is None else _moved(g, self.here)
@@ -259,7 +259,7 @@ class Link:
     def _rpc(self, fn: Any, *args: Any) -> Any:
         # the worker runs calls in the order they were sent: this one goes at once, behind
         # what is in flight, whose answers are read first (their errors first)
-        answer = self.session.runtime.call_async(self.host, fn, *args)
+        answer = self.part.runtime.call_async(self.host, fn, *args)
         self.settle()
         return self._raise(answer.result())
 
@@ -270,7 +270,7 @@ class Link:
 
     def _raise(self, got: Any) -> Any:
         if isinstance(got, Raised):  # raised in the module over there: its own type here
-            peer = self.session.runtime.peers.get(self.host)
+            peer = self.part.runtime.peers.get(self.host)
             pid = f" (pid {peer.pid})" if peer is not None else ""
             raise rebuilt(got, f"module {self.name!r} on worker {self.host!r}{pid}")
         return got

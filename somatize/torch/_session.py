@@ -1,14 +1,20 @@
-"""What one run of placed work shares, whichever route drives it: the runtime and its
-workers, the keeper, the math settings that travel, the account of which process ran
-what, calls to a host, and close. The graph's staged step (``Step``) and the submodules
-placed by name (the Lightning strategy's placed route) both stand on a ``Session``, so a
-refusal they share is written once, here.
+"""What one run over workers shares, whichever route drives it: the workers, the math
+settings that travel, the account of which process ran what, calls to a host, and close.
+A fit under the Lightning strategy holds one ``Session``: each GraphModule's staged step
+(``Step``) and the submodules placed by name (the placed route) are parts of it, so a
+refusal they share is written once, here, and a Ctrl-C or a close reaches all of them.
 
-    session = Session(graph, workers={"gpu": Worker.at("127.0.0.1:7000")}, store=None)
-    session.follow_math()                  # before the first call of a step
-    session.call("gpu", fn, *args)         # fn(live_graph, *args) over there
-    session.account.add("body", pid)       # which process ran "body"
-    session.where(); session.traffic(); session.close()
+    session = Session(workers={"gpu": Worker.at("127.0.0.1:7000")})
+    part = session.open("net", graph, store=None)   # the graph's share: its runtime
+    part.follow_math()                               # before the first call of a step
+    part.call("gpu", fn, *args)                      # fn(live_graph, *args) over there
+    part.add("body", pid)                            # which process ran "body"
+    session.where()      # {"net": {"body": {pid: times}}}
+    session.traffic(); session.close()
+
+Each part is one graph on the workers, with its own session over there (its catalog, its
+ordered calls): two GraphModules may both name a node ``body``. The worker processes
+themselves are shared between the parts (and between fits, until nobody uses them).
 """
 
 from __future__ import annotations
@@ -44,88 +50,172 @@ def lost_error(cause: str, resume: str) -> WorkerError:
 
 
 class Account:
-    """Which process ran each node (or placed module), and how often, under one lock:
-    a pipeline's stages are answered on other threads."""
+    """Which process ran each node (or placed module) of each part, and how often, under
+    one lock: a pipeline's stages are answered on other threads."""
 
     def __init__(self):
-        self._ran: dict[str, Counter] = {}
+        self._ran: dict[str, dict[str, Counter]] = {}
         self._lock = threading.Lock()
 
-    def add(self, name: str, pid: int, times: int = 1) -> None:
-        """``name`` ran ``times`` more in process ``pid``."""
+    def add(self, part: str, name: str, pid: int, times: int = 1) -> None:
+        """``name`` of ``part`` ran ``times`` more in process ``pid``."""
         with self._lock:
-            self._ran.setdefault(name, Counter())[pid] += times
+            self._ran.setdefault(part, {}).setdefault(name, Counter())[pid] += times
 
-    def count(self, pids: Mapping[Any, int], name_of=str) -> None:
+    def count(self, part: str, pids: Mapping[Any, int], name_of=str) -> None:
         """Add one run per entry of ``{what ran: pid}``, named by ``name_of(what)``."""
         with self._lock:
+            ran = self._ran.setdefault(part, {})
             for n, pid in pids.items():
-                self._ran.setdefault(name_of(n), Counter())[pid] += 1
+                ran.setdefault(name_of(n), Counter())[pid] += 1
 
-    def where(self) -> dict[str, dict[int, int]]:
-        """``{name: {pid: times}}``, a copy."""
+    def where(self) -> dict[str, dict[str, dict[int, int]]]:
+        """``{part: {name: {pid: times}}}``, a copy."""
         with self._lock:
-            return {n: dict(c) for n, c in self._ran.items()}
+            return {p: {n: dict(c) for n, c in ran.items()} for p, ran in self._ran.items()}
 
 
 class Session:
-    """The workers ``graph``'s placed nodes run on, and what a run over them shares.
+    """The workers a run's placed work runs on, and what the run shares over them.
 
     Args:
-        graph: the graph that runs (its placement names the hosts); its runtime is this
-            session's own, so the session over there is this run's alone.
         workers: ``{host: Worker}``; embedded ones (or torchrun's ranks) when not given.
-        store: a directory or Keeper where ``.cached()`` nodes are kept.
+        restart: what to do once a worker is lost, in the driver's words (a fit: "run the
+            fit again"); the transport's own when not given.
     """
 
-    def __init__(self, graph: Graph, *, workers: Mapping[str, Any] | None = None,
-                 store: Any = None):
+    def __init__(self, *, workers: Mapping[str, Any] | None = None,
+                 restart: str | None = None):
         check_workers(workers)
-        self.graph = graph
-        self.keeper = _holes.keeper(store)
+        self.workers = dict(workers) if workers else None
+        self.restart = restart
         self.account = Account()
-        self.runtime: Any = None
-        if graph.placement.hosts:
-            self.runtime = _holes.transport().runtime_for(graph, workers)
-            self.runtime.provision(graph)
-        self._math: dict[str, tuple] = {}  # per host: the math settings as last sent
+        self.parts: dict[str, Part] = {}
         self._math_sent: list = []  # those calls, answered or not
+        self._done = [0.0, 0, 0]  # the traffic of parts closed already
 
-    @property
-    def hosts(self) -> tuple[str, ...]:
-        """The hosts this session's graph places work on."""
-        return tuple(self.graph.placement.workers())
+    def open(self, name: str, graph: Graph, *, store: Any = None) -> Part:
+        """The share of ``graph`` (its runtime, its keeper) under ``name``; a part of that
+        name before it is closed first. ``graph`` should be the caller's own object: the
+        runtime held for it is this part's alone."""
+        old = self.parts.pop(name, None)
+        if old is not None:
+            old.close()
+        part = self.parts[name] = Part(self, name, graph, store)
+        return part
 
-    def follow_math(self, hosts: Iterable[str] | None = None) -> None:
-        """Send each worker this process's math settings (threads, TF32, deterministic
-        algorithms...) when they changed since: an ordered call, so it runs over there
-        before what is sent after it. A Worker given its own threads keeps them."""
-        if self.runtime is None:
+    def part(self, name: str) -> Part | None:
+        """The open part called ``name``, or None."""
+        got = self.parts.get(name)
+        return None if got is None or got.closed else got
+
+    def runtimes(self) -> list[Any]:
+        """The runtimes of the open parts (one per graph that places work)."""
+        return [p.runtime for p in self.parts.values() if p.runtime is not None]
+
+    def follow_math(self, part: Part, hosts: Iterable[str] | None = None) -> None:
+        """Send ``part``'s workers this process's math settings (threads, TF32,
+        deterministic algorithms...) when they changed since: an ordered call of that
+        part's session over there, so it runs before what the part sends after it. A Worker
+        given its own threads keeps them."""
+        runtime = part.runtime
+        if runtime is None:
             return
-        for host in self.hosts if hosts is None else hosts:
-            flags = math_flags(threads=self.runtime.spec(host).threads is None)
-            if self._math.get(host) != flags:
-                self._math[host] = flags
-                self._math_sent.append(self.runtime.call_async(host, set_math_live, flags))
-        while self._math_sent and self._math_sent[0].fut.done():
-            self._math_sent.pop(0).result()  # raises what went wrong over there
+        for host in part.hosts if hosts is None else hosts:
+            flags = math_flags(threads=runtime.spec(host).threads is None)
+            if part.math.get(host) != flags:
+                part.math[host] = flags
+                self._math_sent.append((runtime, runtime.call_async(host, set_math_live, flags)))
+        while self._math_sent and self._math_sent[0][1].done():
+            runtime, sent = self._math_sent.pop(0)
+            if not runtime.closed:  # a part closed or stopped since says so itself
+                sent.result()  # raises what went wrong over there
 
-    def call(self, host: str, fn: Any, *args: Any) -> Any:
-        """Run ``fn(live_graph, *args)`` on ``host``'s worker; return what it returns."""
-        return self.runtime.call(host, fn, *args)
-
-    def call_async(self, host: str, fn: Any, *args: Any) -> Any:
-        """``call`` without waiting: ``.result()`` answers."""
-        return self.runtime.call_async(host, fn, *args)
-
-    def where(self) -> dict[str, dict[int, int]]:
-        """Which processes ran each node, and how often: ``{node: {pid: times}}``."""
+    def where(self) -> dict[str, dict[str, dict[int, int]]]:
+        """Which processes ran each node of each part: ``{part: {node: {pid: times}}}``."""
         return self.account.where()
 
     def traffic(self) -> tuple[float, int, int]:
         """Seconds this process waited on workers, bytes sent, bytes received, so far."""
-        rt = self.runtime
-        return (0.0, 0, 0) if rt is None else (rt.waited, rt.sent, rt.received)
+        got = [self._done, *(part.traffic() for part in self.parts.values())]
+        return (sum(g[0] for g in got), sum(g[1] for g in got), sum(g[2] for g in got))
+
+    def abort(self, why: str) -> None:
+        """Stop every part's workers now, waiting for nothing (Ctrl-C)."""
+        for runtime in self.runtimes():
+            runtime.abort(why)
+
+    @property
+    def closed(self) -> bool:
+        """Whether every part's run over there is over."""
+        return all(p.closed for p in self.parts.values())
+
+    def close(self) -> None:
+        """End every part's session over there, stopping the workers nobody else uses;
+        idempotent. ``where()`` and ``traffic()`` stay readable."""
+        for part in self.parts.values():
+            part.close()
+
+
+class Part:
+    """One graph's share of a ``Session``: its runtime (a session of its own on each
+    worker, over the graph's catalog), its keeper, and its calls."""
+
+    def __init__(self, session: Session, name: str, graph: Graph, store: Any = None):
+        self.session, self.name, self.graph = session, name, graph
+        self.keeper = _holes.keeper(store)
+        self.math: dict[str, tuple] = {}  # per host: the math settings as last sent
+        self.runtime: Any = None
+        if graph.placement.hosts:
+            self.runtime = _holes.transport().runtime_for(graph, session.workers)
+            if session.restart is not None:
+                self.runtime.restart = session.restart
+            self.runtime.provision(graph)
+
+    @property
+    def hosts(self) -> tuple[str, ...]:
+        """The hosts this part's graph places work on."""
+        return tuple(self.graph.placement.workers())
+
+    def follow_math(self, hosts: Iterable[str] | None = None) -> None:
+        """The session's ``follow_math`` for this part (every host of it by default)."""
+        self.session.follow_math(self, hosts)
+
+    def add(self, name: str, pid: int) -> None:
+        """``name`` (a node, a placed module) of this part ran once more in ``pid``."""
+        self.session.account.add(self.name, name, pid)
+
+    def count(self, pids: Mapping[Any, int], name_of=str) -> None:
+        """One run more per entry of ``{what ran: pid}``, named by ``name_of(what)``."""
+        self.session.account.count(self.name, pids, name_of)
+
+    def call(self, host: str, fn: Any, *args: Any) -> Any:
+        """Run ``fn(live_graph, *args)`` on ``host``'s worker; return what it returns."""
+        runtime = self._open(host)
+        return runtime.call(host, fn, *args)
+
+    def call_async(self, host: str, fn: Any, *args: Any) -> Any:
+        """``call`` without waiting: ``.result()`` answers."""
+        runtime = self._open(host)
+        return runtime.call_async(host, fn, *args)
+
+    def _open(self, host: str) -> Any:
+        if self.runtime is None:
+            what = "places nothing" if not self.graph.placement.hosts else "is closed"
+            raise WorkerError(f"worker {host!r}: the run of part {self.name!r} over there "
+                              f"{what}; run again (a new fit, graph or trainer) to start anew")
+        return self.runtime
+
+    def where(self) -> dict[str, dict[int, int]]:
+        """Which processes ran each node of this part: ``{node: {pid: times}}``."""
+        return self.session.where().get(self.name, {})
+
+    def traffic(self) -> tuple[float, int, int]:
+        """Seconds waited on this part's workers, bytes sent, bytes received, so far."""
+        runtime = self.runtime
+        if runtime is None:
+            return (0.0, 0, 0)
+        return (runtime.waited, runtime.sent, runtime.received)
 
     @property
     def closed(self) -> bool:
@@ -133,7 +223,11 @@ class Session:
         return self.runtime is None or getattr(self.runtime, "closed", False)
 
     def close(self) -> None:
-        """Stop the workers this session started (nobody else uses); idempotent."""
+        """End this graph's session over there, stopping the workers nobody else uses
+        (idempotent)."""
         if self.runtime is not None:
-            _holes.transport().release(self.graph)
+            done = self.session._done
+            for i, v in enumerate(self.traffic()):
+                done[i] += v  # the session's traffic still counts it
             self.runtime = None
+            _holes.transport().release(self.graph)

@@ -61,12 +61,15 @@ class Step:
         micro_batches: how many pieces a batch is cut into (``Pipeline`` drives them):
             above 1, every trainer accumulates (stepped once per batch, by the driver)
             and keeps that many activations in flight, and nothing is deferred.
+        session: the run's ``Session`` this step is a part of, under ``name`` (a fit's,
+            shared with its other parts); a session of its own over ``workers`` when not
+            given.
     """
 
     def __init__(self, graph: Graph, trains: Mapping[str, Learning] | None = None, *,
                  workers: Mapping[str, Any] | None = None, store: Any = None,
                  optimizers: Iterable[torch.optim.Optimizer] = (), defer: bool = True,
-                 micro_batches: int = 1):
+                 micro_batches: int = 1, session: Session | None = None, name: str = ""):
         self.graph = graph
         check_workers(workers)  # before anything else is refused or settled
         self.trains: dict[str, Learning] = dict(trains or {})
@@ -81,11 +84,13 @@ class Step:
             trainer.feeds_back = any(
                 a in self.trains or _trainable(graph, a) for a in graph.ancestors(n))
         # the graph that runs (trainers around their nodes): this step's own object, so the
-        # runtime the transport holds for it is this step's alone (its own session)
+        # runtime the transport holds for it is this step's alone (its own session there)
         self.running = around(graph, self.trains) if self.trains else Graph(
             graph.catalog, graph.edges, graph.placement, graph.memory)
-        self.session = Session(self.running, workers=workers, store=store)
-        self.keeper = self.session.keeper
+        self.own = session is None  # then closing the step closes the session
+        self.session = Session(workers=workers) if session is None else session
+        self.part = self.session.open(name, self.running, store=store)
+        self.keeper = self.part.keeper
         self.naming = naming(graph, self.keeper, self.runtime)
         self.sinks = graph.sinks
         self.made: dict[str, Any] | None = None  # the forward awaiting its backward
@@ -186,19 +191,19 @@ class Step:
 
     @property
     def runtime(self) -> Any:
-        """The runtime the placed nodes run on (its session's; None when nothing is placed)."""
-        return self.session.runtime
+        """The runtime the placed nodes run on (its part's; None when nothing is placed)."""
+        return self.part.runtime
 
     def follow_math(self) -> None:
         """Send the workers this process's math settings, when they changed (the session's)."""
-        self.session.follow_math()
+        self.part.follow_math()
 
     def _count(self, out: Outcome) -> None:
-        self.session.account.count(out.pids, node_of)
+        self.part.count(out.pids, node_of)
 
     def where(self) -> dict[str, dict[int, int]]:
         """Which processes ran each node, and how often: ``{node: {pid: times}}``."""
-        return self.session.where()
+        return self.part.where()
 
     # -- backward ---------------------------------------------------------------------
     def backward(self) -> None:
@@ -325,8 +330,11 @@ class Step:
         return states
 
     def close(self) -> None:
-        """Stop the workers this step's runs started (what is owed is not delivered)."""
-        self.session.close()
+        """End this step's run over there, stopping the workers nobody else uses (what is
+        owed is not delivered); its session too when it is the step's own."""
+        self.part.close()
+        if self.own:
+            self.session.close()
 
     def _at(self, n: str, fn: Callable[..., Any], *args: Any) -> Any:
         return self._on(self.graph.placement.get(n), fn, *args)
@@ -336,7 +344,7 @@ class Step:
         # against the worker's live one, by the transport's generic call
         if host is None:
             return fn(self.running, *args)
-        return self.session.call(host, fn, *args)
+        return self.part.call(host, fn, *args)
 
 
 # -- small pieces ----------------------------------------------------------------------
