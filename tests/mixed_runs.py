@@ -5,12 +5,14 @@ saves.
     python tests/mixed_runs.py mixed OUT.pt
     python tests/mixed_runs.py interrupted MARKER   # Ctrl-C at the fourth step
     python tests/mixed_runs.py refused OUT.json     # the graph route refuses at setup
+    python tests/mixed_runs.py math OUT.json        # two parts, one worker process
 """
 
 import json
 import os
 import signal
 import sys
+import threading
 
 import lightning.pytorch as pl
 import torch
@@ -22,7 +24,8 @@ from torch.nn import functional as F
 from examples.digits_graph import Body, Head
 from somatize import Graph, Refused
 from somatize.lightning import SomatizeStrategy
-from somatize.torch import GraphModule, Split
+from somatize.torch import GraphModule, Split, node
+from somatize.torch._session import Session
 
 
 class Mixed(pl.LightningModule):
@@ -139,9 +142,88 @@ def refused(out):
                    "routes": len(strategy.routes)}, f)
 
 
+class Unsent(nn.Module):
+    """A module that cannot travel (a lock in it): refused before anything is sent."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.lock = nn.Linear(64, 64), threading.Lock()
+
+    def forward(self, x):
+        return self.lin(x).tanh()
+
+
+class TwoGraphs(pl.LightningModule):
+    """Two GraphModules; the second one's placed node does not pickle."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = GraphModule(Graph.somatize(Body(32).at("worker") >> Head(32)))
+        self.b = GraphModule(Graph.somatize(node(Unsent()).named("odd").at("worker")))
+
+    def training_step(self, batch, i):
+        x, y = batch
+        return F.cross_entropy(self.a(self.b(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def refused_later(out):
+    """The graph route refuses its second GraphModule: the first one runs here again."""
+    model = TwoGraphs()
+    strategy = SomatizeStrategy()
+    said = None
+    try:
+        pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False,
+                   enable_checkpointing=False, strategy=strategy).fit(model, data())
+    except Refused as e:
+        said = str(e)
+    x = torch.rand(4, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        y = model.a(x)
+    with open(out, "w") as f:
+        json.dump({"said": said, "shape": list(y.shape), "closed": strategy.session().closed},
+                  f)
+
+
+def _settings(live):
+    return torch.are_deterministic_algorithms_enabled(), os.getpid()
+
+
+def math(out):
+    """Two parts of one session on one worker process: the math settings each sends,
+    where the other part changed them in between."""
+    g1 = Graph.somatize(node(nn.Linear(2, 2)).named("one").at("w"))
+    g2 = Graph.somatize(node(nn.Linear(2, 2)).named("two").at("w"))
+    session = Session()
+    a, b = session.open("a", g1), session.open("b", g2)
+    got = {"where": session.where()}
+    try:
+        torch.use_deterministic_algorithms(False)
+        a.follow_math()
+        b.follow_math()
+        torch.use_deterministic_algorithms(True)
+        b.follow_math()
+        got["b"] = b.call("w", _settings)
+        torch.use_deterministic_algorithms(False)
+        a.follow_math()
+        got["a"] = a.call("w", _settings)
+        torch.use_deterministic_algorithms(True)
+        b.follow_math()  # b's own settings again, those it sent last: sent all the same
+        got["b_again"] = b.call("w", _settings)
+    finally:
+        torch.use_deterministic_algorithms(False)
+        session.close()
+    got["closed"] = session.closed
+    with open(out, "w") as f:
+        json.dump(got, f)
+
+
 def interrupted(marker):
     signal.signal(signal.SIGINT, signal.default_int_handler)  # even as a background job
-    fit(SomatizeStrategy(place={"encoder": "worker"}), CtrlC(marker))
+    fit(SomatizeStrategy(place={"encoder": "worker"}, trace=f"{marker}.trace.json"),
+        CtrlC(marker))
 
 
 if __name__ == "__main__":

@@ -94,3 +94,28 @@ def test_ctrl_c_in_a_mixed_fit_stops_both_routes_workers_and_says_what_each_lose
     assert "what ['encoder'] trained on the workers" in err, err[-3000:]
     assert "what the placed nodes of ['net'] trained on the workers" in err, err[-3000:]
     assert "Traceback" not in err and "WorkerError" not in err, err[-3000:]
+    # the trace asked for is written all the same, with what ran here
+    trace = json.loads((tmp_path / "pids.json.trace.json").read_text())
+    assert any(e.get("pid") == proc.pid for e in trace["traceEvents"])
+
+
+def test_a_graph_module_refused_after_another_opened_leaves_that_one_running_here(tmp_path):
+    out = tmp_path / "refused.json"
+    scenario("mixed_runs.py", "refused_later", out)
+    got = json.loads(out.read_text())
+    assert "does not pickle" in got["said"] and "'odd'" in got["said"], got["said"]
+    assert got["shape"] == [4, 10] and got["closed"] is True
+
+
+def test_two_parts_on_one_worker_process_each_run_under_the_settings_they_sent(tmp_path):
+    out = tmp_path / "math.json"
+    scenario("mixed_runs.py", "math", out)
+    got = json.loads(out.read_text())
+    assert got["where"] == {"a": {}, "b": {}}  # answered before anything ran
+    (b_det, b_pid), (a_det, a_pid) = got["b"], got["a"]
+    assert a_pid == b_pid  # one process serves both parts
+    # b set deterministic algorithms over there; a, whose own settings had not changed
+    # since it last sent them, still runs its call with its own (off)
+    assert b_det is True and a_det is False
+    # and b, back to the settings it sent last, sends them again: a changed the process's
+    assert got["b_again"][0] is True and got["closed"] is True

@@ -57,11 +57,17 @@ class GraphRoute(Route):
         if chosen:
             _limits(strategy, trainer)
         runs = {}
-        for name, gm in named.items():
-            mine = {n: t for n, t in chosen.items() if n in gm.graph.catalog}
-            runs[name] = Step(gm.graph, mine, store=gm.store, optimizers=strategy.optimizers,
-                              defer=False, session=session, name=name)
-            gm.runner = _runner(runs[name])
+        try:
+            for name, gm in named.items():
+                mine = {n: t for n, t in chosen.items() if n in gm.graph.catalog}
+                runs[name] = Step(gm.graph, mine, store=gm.store,
+                                  optimizers=strategy.optimizers, defer=False,
+                                  session=session, name=name)
+                gm.runner = _runner(runs[name])
+        except BaseException:
+            for name in runs:  # refused at a later module: the earlier ones run here again
+                named[name].runner = None
+            raise
         hosts = sorted({h for run in runs.values() for h in run.running.placement.workers()})
         log.info("the graph's placed nodes run on workers %s", hosts)
         return cls(named, runs)

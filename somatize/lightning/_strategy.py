@@ -86,7 +86,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
         self.store = store
         self.routes: list[Route] = []
         self._session: Session | None = None  # the fit's (kept after it: where(), traffic())
-        self._broken = False
+        self._broken = self._interrupted = False
 
     @override
     def connect(self, model: pl.LightningModule) -> None:
@@ -151,7 +151,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
                         "copy here; resume from the last checkpoint to continue the lost run",
                         self._lost)
             self._lost = None
-        self._broken = False  # a new fit: a worker lost (or Ctrl-C) in the last one is gone
+        # a new fit: a worker lost (or Ctrl-C) in the last one is gone
+        self._broken = self._interrupted = False
         old, self.routes = self.routes, []
         for route in old:  # a fit that ended without teardown (an exception in setup)
             route.close(pull=False)
@@ -318,6 +319,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
             route.on_exception(exception)
         if isinstance(exception, KeyboardInterrupt) and self._session is not None:
             self._broken = True  # teardown asks nothing of the workers, and waits for none
+            self._interrupted = True  # but writes the trace of what ran here
             self._session.abort("it was stopped when this process was interrupted (Ctrl-C)")
         if isinstance(exception, WorkerError):
             self._broken = True
@@ -329,10 +331,11 @@ class SomatizeStrategy(SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         pull = not self._lost and not self._broken
-        if self._tracer is not None and not self._broken:
-            for route in self.routes:
-                route.settle()
-            self._tracer.write()
+        if self._tracer is not None and (self._interrupted or not self._broken):
+            if not self._broken:
+                for route in self.routes:
+                    route.settle()
+            self._tracer.write()  # the stopped workers' spans are gone with them
         for route in self.routes:
             route.close(pull=pull)  # where() stays readable after fit
         if self._broken:

@@ -57,6 +57,11 @@ class Account:
         self._ran: dict[str, dict[str, Counter]] = {}
         self._lock = threading.Lock()
 
+    def open(self, part: str) -> None:
+        """``part`` is answered by ``where()`` from now on, even before it runs."""
+        with self._lock:
+            self._ran.setdefault(part, {})
+
     def add(self, part: str, name: str, pid: int, times: int = 1) -> None:
         """``name`` of ``part`` ran ``times`` more in process ``pid``."""
         with self._lock:
@@ -102,6 +107,7 @@ class Session:
         if old is not None:
             old.close()
         part = self.parts[name] = Part(self, name, graph, store)
+        self.account.open(name)
         return part
 
     def part(self, name: str) -> Part | None:
@@ -126,6 +132,9 @@ class Session:
             if part.math.get(host) != flags:
                 part.math[host] = flags
                 self._math_sent.append((runtime, runtime.call_async(host, set_math_live, flags)))
+                for other in self.parts.values():  # one process serves a host's parts:
+                    if other.math.get(host) != flags:  # one that sent other settings
+                        other.math.pop(host, None)  # sends again, in its own order
         while self._math_sent and self._math_sent[0][1].done():
             runtime, sent = self._math_sent.pop(0)
             if not runtime.closed:  # a part closed or stopped since says so itself
