@@ -5,6 +5,7 @@ those that cannot be rebuilt refused before the first batch; a checkpoint writte
 fit returns complete; the private torch names the placed route relies on, pinned."""
 
 import contextlib
+import operator
 import os
 import subprocess
 
@@ -116,6 +117,19 @@ def test_each_private_torch_name_relied_on_exists_and_does_what_it_is_used_for()
     m.register_forward_pre_hook(lambda *a: None)
     m.register_full_backward_hook(lambda *a: None)
     assert _private.hook_count(m) == 3
+    # a module's own parameters, buffers and children, as torch registers them
+    seq = torch.nn.Sequential(torch.nn.BatchNorm1d(2))
+    bn = seq[0]
+    assert _private.registered(bn, "weight") and _private.registered(bn, "running_mean")
+    assert _private.registered(seq, "0") and not _private.registered(bn, "momentum")
+    params, buffers = _private.own_tensors(bn)
+    assert params == (bn.weight, bn.bias)
+    assert buffers == (bn.running_mean, bn.running_var, bn.num_batches_tracked)
+    before = _private.structure([seq, bn])
+    assert all(map(lambda a, b: all(map(operator.is_, a, b)), before,
+                   _private.structure([seq, bn])))
+    bn.weight = torch.nn.Parameter(bn.weight.detach().clone())  # replaced: seen
+    assert not all(map(operator.is_, before[1], _private.structure([seq, bn])[1]))
 
 
 def test_a_missing_private_name_is_named_with_the_torch_version():

@@ -35,7 +35,7 @@ PRIVATE = [
     re.compile(r"(?<=[\w)\]])\.(?:_forward_hooks|_forward_pre_hooks|_backward_hooks|_backward_pre_hooks"
                r"|_per_optimizer_states|_accelerator_connector|_devices_flag|_parallel_devices"
                r"|_lightning_optimizers|_root_device|_launcher|_update_group_membership"
-               r"|_version)\b"),
+               r"|_version|_parameters|_buffers|_modules)\b"),
     re.compile(r"\bscaler\._\w+"),
 ]
 
@@ -69,7 +69,7 @@ def test_the_scan_finds_what_it_looks_for(tmp_path):
               "_get_current_rpc_agent", "n = len(m._forward_hooks)",
               "trainer._accelerator_connector._devices_flag", "scaler._scale.double()",
               "from lightning.pytorch.strategies.launchers.launcher import _Launcher",
-              "from torch._C._distributed_rpc import PyRRef"]
+              "from torch._C._distributed_rpc import PyRRef", "k in m._buffers"]
     missed = ["from ..torch._session import Session", "from ._launcher import _Serving",
               "from lightning.pytorch.strategies import SingleDeviceStrategy"]
     assert all(any(p.search(s) for p in PRIVATE) for s in caught)

@@ -17,10 +17,9 @@ from typing import Any
 import torch
 
 from .._errors import Refused
-from ._private import plainly
+from ._private import plainly, registered, structure
 
 _NONE = object()
-_END = object()  # where a module's parameters end, then its buffers (in Shape)
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 
@@ -83,7 +82,7 @@ class Attributes:
         """Set here what the forward left on the modules over there (an auxiliary loss)."""
         for i, k, v in side:
             m = self.modules[i]
-            if k in m._parameters or k in m._buffers or k in m._modules:
+            if registered(m, k):
                 m.__dict__.pop(k, None)
                 setattr(m, k, v)
             else:
@@ -114,8 +113,7 @@ class Shape:
         self._key = self._now()
 
     def _now(self) -> list:
-        return [(*m._parameters.values(), _END, *m._buffers.values(), _END,
-                 *m._modules.values()) for m in self.modules]
+        return structure(self.modules)
 
     def current(self) -> bool:
         """Look again if the structure changed since; whether it did."""

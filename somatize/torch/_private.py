@@ -1,8 +1,9 @@
 """Every private torch name somatize relies on, in one place: where torch offers no public
 way (a module's call routing, a GradScaler's found-inf record and scale, the per-tensor
 norm and unscale kernels ``clip_grad_norm_`` and ``GradScaler.unscale_`` use, a module's
-hook dictionaries). A torch upgrade that drops one breaks here, naming the attribute;
-tests/test_placed_optimizers.py pins that each exists.
+hook dictionaries, and its own parameter, buffer and child dictionaries). A torch
+upgrade that drops one breaks here, naming the attribute; tests/test_placed_optimizers.py
+pins that each exists.
 
     route_calls(module, link.forward)  # module(x) calls link.forward; pickles never see it
     route_calls(module, None)          # its own call again
@@ -121,6 +122,29 @@ _VERSION = operator.attrgetter("_version")
 def versions(tensors: Any) -> list[int]:
     """``version`` of each of ``tensors``, at C speed (read per call of a placed module)."""
     return list(map(_VERSION, tensors))
+
+
+def registered(m: torch.nn.Module, name: str) -> bool:
+    """Whether ``name`` is one of ``m``'s own parameters, buffers or children (set through
+    ``Module.__setattr__``, not in ``m.__dict__``)."""
+    return name in m._parameters or name in m._buffers or name in m._modules
+
+
+def own_tensors(m: torch.nn.Module) -> tuple[tuple, tuple]:
+    """``m``'s own parameters and buffers (``None`` where one is registered as None), in
+    registration order, without walking its children."""
+    return tuple(m._parameters.values()), tuple(m._buffers.values())
+
+
+_END = object()  # where a module's parameters end, then its buffers (in ``structure``)
+
+
+def structure(modules: list) -> list:
+    """Each of ``modules``' own parameters, buffers and children, by identity: equal (by
+    ``operator.is_``) from one read to the next exactly when none was added, removed or
+    replaced. Read per call of a placed module."""
+    return [(*m._parameters.values(), _END, *m._buffers.values(), _END,
+             *m._modules.values()) for m in modules]
 
 
 def batchnorm_base() -> type:

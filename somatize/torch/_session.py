@@ -96,7 +96,7 @@ class Session:
         self.restart = restart
         self.account = Account()
         self.parts: dict[str, Part] = {}
-        self._math_sent: list = []  # those calls, answered or not
+        self._math_sent: list = []  # (runtime, the math settings call), answered or not
         self._done = [0.0, 0, 0]  # the traffic of parts closed already
 
     def open(self, name: str, graph: Graph, *, store: Any = None) -> Part:

@@ -26,7 +26,7 @@ from blake3 import blake3
 
 from .._errors import Refused
 from .._keys import call_state
-from ._private import ROUTED_CALL, version
+from ._private import ROUTED_CALL, own_tensors, version
 
 # the device types whose autocast state is part of every key
 _AUTOCAST = ("cpu", "cuda", "xpu", "mps")
@@ -146,7 +146,7 @@ class Watch:
 def _seen(module: torch.nn.Module) -> list:
     # one pass: each module, its tensors by identity, and its own attributes with a
     # shallow copy of the containers among them
-    return [(m, tuple(m._parameters.values()), tuple(m._buffers.values()),
+    return [(m, *own_tensors(m),
              [(k, v, (*v, *v.values()) if type(v) is dict else tuple(v)
                if type(v) is list else None)
               for k, v in m.__dict__.items() if k not in _BOOKKEEPING])
