@@ -139,6 +139,17 @@ def listener(addr: str, out: str) -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 3 and sys.argv[-1] == "--as-nobody":
+        # what the stranger imports, imported while it still reads the checkout: a
+        # checkout in a 0700 directory (mktemp -d) is out of nobody's reach
+        import importlib
+        import threading  # noqa: F401
+
+        for name in ("torch.distributed.rpc", "torch.distributed.rpc.api",
+                     "torch.distributed.rpc.rref_proxy", "torch.distributed.rendezvous",
+                     "torch.distributed.rpc.backend_registry", "torch.distributed.rpc._utils",
+                     "torch.distributed.rpc.internal", "torch.distributed.autograd",
+                     "torch._subclasses.schema_check_mode"):  # (a builtin op's call)
+            importlib.import_module(name)
         os.setgid(65534)
         os.setuid(65534)
         sys.argv.pop()
