@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from somatize._keys import key_of_input
 from somatize.lightning import SomatizeCache
 from somatize.store._items import Items
-from somatize.torch._per_item import item_keys, module_key
+from somatize.torch.cache._per_item import item_keys, module_key
 
 ROWS, IN, OUT, BATCH, BATCHES = 256 * 40, 768, 512, 256, 40
 

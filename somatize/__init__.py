@@ -78,7 +78,7 @@ def _trace_collect(runtime, offsets, end=False):
 
 
 def _answer_mapped(*args):
-    from .torch._per_item import answer_mapped
+    from .torch.cache._per_item import answer_mapped
 
     return answer_mapped(*args)
 

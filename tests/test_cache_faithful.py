@@ -23,7 +23,7 @@ from somatize._store_cli import main as store_main
 from somatize.lightning import SomatizeCache
 from somatize.store import Store
 from somatize.torch import freeze, node
-from somatize.torch._cached import CachedForward, on_device
+from somatize.torch.cache._cached import CachedForward, on_device
 
 
 class Body(nn.Module):

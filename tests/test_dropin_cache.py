@@ -17,7 +17,7 @@ from examples.digits import DigitsData, DigitsModel
 from somatize import Refused
 from somatize.lightning import SomatizeCache, SomatizeStrategy
 from somatize.store import Store
-from somatize.torch._cached import CachedForward
+from somatize.torch.cache._cached import CachedForward
 
 
 class BodyComputes(pl.Callback):

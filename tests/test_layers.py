@@ -144,6 +144,77 @@ def core_imports(sources: dict[str, str]) -> dict[str, set[str]]:
             for me, src in sources.items()}
 
 
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
+def package_imports(sources: dict[str, tuple[str, bool]]) -> dict[str, set[str]]:
+    """Who imports whom in the package, by module name (``sources``: module -> (source,
+    is a package)). ``from . import _holes`` imports the module ``_holes``, not the
+    package; ``from .. import Split`` imports the package."""
+    edges = {}
+    for me, (src, is_package) in sources.items():
+        package = me if is_package else me.rpartition(".")[0]
+        tree = ast.parse(src)
+        skipped = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and _under_type_checking(node):
+                skipped |= {id(n) for part in node.body for n in ast.walk(part)}
+        out = set()
+        for node in ast.walk(tree):
+            if id(node) in skipped:
+                continue
+            if isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - node.level + 1]
+                    target = ".".join([*base, node.module] if node.module else base)
+                else:
+                    target = node.module
+                subs = {f"{target}.{a.name}" for a in node.names
+                        if f"{target}.{a.name}" in sources or _is_module(f"{target}.{a.name}")}
+                out |= subs
+                if len(subs) < len(node.names):
+                    out.add(target)
+        edges[me] = {t for t in out if t in sources and t != me}
+    return edges
+
+
+def test_no_module_of_the_package_imports_in_a_circle():
+    sources = {module_name(p): (p.read_text(), p.name == "__init__.py") for p in MODULES}
+    assert len(sources) > 100
+    found = circle(package_imports(sources))
+    assert found is None, (f"somatize imports in a circle: {' -> '.join(found)}. Move what "
+                           "both sides need below both, or pass it in")
+
+
+def test_the_package_circle_check_counts_functions_and_packages_but_not_type_checking():
+    # the control: the circle the placed route had (_placed <-> _call, one side inside a
+    # function), and a module importing its own package's name
+    crafted = {
+        "somatize.torch._placed": ("from ._call import dumps\n", False),
+        "somatize.torch._call": ("def run():\n    from ._placed import _apply\n", False),
+    }
+    assert circle(package_imports(crafted)) == [
+        "somatize.torch._call", "somatize.torch._placed", "somatize.torch._call"]
+    crafted["somatize.torch._call"] = ("from typing import TYPE_CHECKING\n"
+                                      "if TYPE_CHECKING:\n    from ._placed import X\n", False)
+    assert circle(package_imports(crafted)) is None
+    package = {
+        "somatize.torch": ("from ._mirror import Mirror\n", True),
+        "somatize.torch._mirror": ("def f():\n    from . import Split\n", False),
+        "somatize.torch._holes": ("", False),
+        "somatize.torch._user": ("from . import _holes\n", False),
+    }
+    assert circle(package_imports(package)) == [
+        "somatize.torch", "somatize.torch._mirror", "somatize.torch"]
+    # a submodule taken by name from a package is the submodule's import alone
+    assert package_imports(package)["somatize.torch._user"] == {"somatize.torch._holes"}
+
+
 def test_the_core_has_no_import_circle():
     sources = {module_name(p): p.read_text() for p in sorted(PACKAGE.glob("_*.py"))
                if p.name != "__init__.py"}

@@ -13,7 +13,7 @@ from models import Body, Drop, Head, Pre, batches, same, twins, weights
 
 from somatize import Ctx, Refused
 from somatize.torch import Split, Trainer, parameters
-from somatize.torch._pipeline import Action, in_order, one_f_one_b
+from somatize.torch.graph._pipeline import Action, in_order, one_f_one_b
 
 
 def trained(build, data, k, trains_for=("body",), seed=1):

@@ -32,7 +32,7 @@ def test_workers_that_is_not_a_dict_says_what_to_give():
     # the same words from every door: the Session, the runtime, the staged Step
     from somatize.remote._runtime import runtime_for
     from somatize.torch._session import Session
-    from somatize.torch._step import Step
+    from somatize.torch.graph._step import Step
 
     for door in (lambda: Session(workers=[1]), lambda: runtime_for(g, [1]),
                  lambda: Step(g, workers=[1])):

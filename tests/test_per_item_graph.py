@@ -11,7 +11,7 @@ from torch.nn import functional as F
 
 from somatize import Done, Graph, GraphError, Node, Refused
 from somatize.torch import Trainer, freeze, parameters
-from somatize.torch._per_item import CONTEXT, PerItem, PerItemForward, item_keys, module_key
+from somatize.torch.cache._per_item import CONTEXT, PerItem, PerItemForward, item_keys, module_key
 
 
 class Enc(Node):

@@ -15,7 +15,7 @@ from scenario import scenario
 
 from somatize import WorkerError
 from somatize.torch._raised import caught, rebuilt
-from somatize.torch._tree import tree_flatten, tree_unflatten
+from somatize.torch.placed._tree import tree_flatten, tree_unflatten
 
 RUNS = "placed_runs.py"
 pytestmark = pytest.mark.timeout(1500)  # one process runs every case (RPC starts once)

@@ -33,7 +33,7 @@ def test_a_big_matrix_product_over_there_equals_here_with_the_default_threads(tm
 
 
 def test_a_worker_is_started_with_what_the_environment_says_before_our_defaults():
-    from somatize.remote._spawn import serving_env
+    from somatize.remote._settings import serving_env
 
     assert serving_env({})["OMP_WAIT_POLICY"] == "PASSIVE"
     assert serving_env({"OMP_WAIT_POLICY": "ACTIVE"})["OMP_WAIT_POLICY"] == "ACTIVE"

@@ -35,7 +35,7 @@ def calls_above() -> set[str]:
     """What the layers above the core read off a runtime: ``runtime.X`` (a step's, a
     tracer's, the transport's own tracing), and the traffic the strategy sums."""
     seen = set()
-    for path in [*PACKAGE.glob("torch/*.py"), *PACKAGE.glob("lightning/*.py"),
+    for path in [*PACKAGE.glob("torch/**/*.py"), *PACKAGE.glob("lightning/*.py"),
                  PACKAGE / "remote" / "_tracing.py", *PACKAGE.glob("_*.py")]:
         seen |= set(re.findall(r"\bruntime\.([a-z]\w*)", path.read_text()))
     return seen | {"waited", "sent", "received"}

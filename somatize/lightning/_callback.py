@@ -24,8 +24,8 @@ from .._errors import Refused
 from .._keeper import Kept
 from .._memory import cacheable
 from ..torch import GraphModule, freeze
-from ..torch._cached import CachedForward, counts_there
-from ._stages import Stages, shuffles
+from ..torch.cache._cached import CachedForward, counts_there
+from ._cache_counts import StageCounts, shuffles
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class SomatizeCache(pl.Callback):
         self.modules = list(modules)
         self.salt = salt
         self.per_item = per_item
-        self.stages = Stages()  # hits and misses by stage (train, val, test, predict)
+        self.stages = StageCounts()  # hits and misses by stage (train, val, test, predict)
         self.keeper: Counting | None = None
         self.cached: dict[str, CachedForward] = {}  # by path: what each module now calls
         self.hits = 0  # totals over every epoch of training and validation, resumed
@@ -353,7 +353,7 @@ def _refuse_file(store: Any) -> None:
 def _forward_class(per_item: bool) -> type[CachedForward]:
     """What a module named by path calls: item by item, or by its whole input."""
     if per_item:
-        from ..torch._per_item import PerItemForward
+        from ..torch.cache._per_item import PerItemForward
 
         return PerItemForward
     return CachedForward
@@ -361,7 +361,7 @@ def _forward_class(per_item: bool) -> type[CachedForward]:
 
 def _item_counts(pl_module: pl.LightningModule) -> tuple[int, int]:
     """``(hits, misses)`` in items of the ``.mapped()`` nodes of its graphs, run here."""
-    from ..torch._per_item import mapped_counts
+    from ..torch.cache._per_item import mapped_counts
 
     hits = misses = 0
     for gm in graph_modules(pl_module):

@@ -23,9 +23,9 @@ from .._errors import Refused
 from .._learning import Learning
 from .._memory import params_of
 from ..torch import GraphModule, Split
-from ..torch._refuse import settle
 from ..torch._session import Session
-from ..torch._step import Step
+from ..torch.graph._refuse import settle
+from ..torch.graph._step import Step
 from ._callback import graph_modules
 from ._route import Route
 

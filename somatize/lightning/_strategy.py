@@ -30,9 +30,9 @@ from typing_extensions import override
 from .. import _trace
 from .._errors import WorkerError
 from .._trace import span
-from ..torch._refuse import refuse_unknown
 from ..torch._session import Session, lost_error, refuse_devices
 from ..torch._tracer import Tracer
+from ..torch.graph._refuse import refuse_unknown
 from ._callback import graph_modules
 from ._epoch_end import _EpochEnd
 from ._graph_route import GraphRoute

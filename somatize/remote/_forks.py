@@ -237,7 +237,7 @@ def fork_workers(preload=()) -> ForkServer:
     reads at start otherwise than this process did (``OMP_*``, ``TORCH_*``...) starts
     fresh."""
     from ._private import OPTIMIZER_IMPORTS
-    from ._spawn import serving_env
+    from ._settings import serving_env
 
     server = ForkServer.start([*WORKER_PRELOAD, *OPTIMIZER_IMPORTS, *preload],
                               env=serving_env(dict(os.environ)))

@@ -88,7 +88,7 @@ class Group:
             import torch.distributed.rpc as rpc
 
             if self.static is not None:  # torchrun: every rank is known, MASTER_* set
-                from ._torchrun import drop_key_file, rendezvous
+                from ._torchrun_rendezvous import drop_key_file, rendezvous
 
                 init = rendezvous(0)  # somatize's own, gated; never torchrun's store
                 rpc.init_rpc(COORDINATOR, rank=0, world_size=self.world,

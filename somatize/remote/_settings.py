@@ -88,3 +88,12 @@ def keep_on_loopback(env: dict | None = None) -> None:
                     "TensorPipe listens on %s. To reach other machines, call "
                     "somatize.remote.configure(listen='<an address on %s>')", was, lo, was)
     env["TP_SOCKET_IFNAME"] = lo
+
+
+# what a serving process starts with unless the environment says otherwise (_spawn.py)
+SERVING_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def serving_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` with ``SERVING_ENV``'s settings where it says nothing of them."""
+    return {**SERVING_ENV, **env}

@@ -3,7 +3,7 @@
     proc = spawn(["--name", "gpu", "--rank", "1", "--join", join, ...])
     conn, reply = ask_daemon("node3:7000", "gpu", request, timeout)   # {"pid": ...}
 
-A serving process starts with ``SERVING_ENV`` unless the environment says otherwise:
+A serving process starts with ``_settings.SERVING_ENV`` unless the environment says otherwise:
 huge pages (large tensors are received faster) and ``OMP_WAIT_POLICY=PASSIVE`` (idle
 math threads sleep instead of spinning on the cores the coordinator computes on). Both
 are read once, before torch is imported, so only a process somatize starts can be given
@@ -33,14 +33,7 @@ from ._secret import (
     send_frame,
     token,
 )
-from ._settings import loopback, loopback_iface, settings
-
-SERVING_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
-
-
-def serving_env(env: dict[str, str]) -> dict[str, str]:
-    """``env`` with ``SERVING_ENV``'s settings where it says nothing of them."""
-    return {**SERVING_ENV, **env}
+from ._settings import loopback, loopback_iface, serving_env, settings
 
 
 def warm(proc: subprocess.Popen, argv: list[str]) -> bool:

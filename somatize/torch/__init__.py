@@ -5,11 +5,12 @@ and train a graph — in one piece or in stages, here and on workers.
 """
 
 from ._codec import from_blob, to_blob
-from ._freeze import freeze, parameters, state_digest
-from ._graphmodule import GraphModule
 from ._module import ModuleNode, node
-from ._split import Split
-from ._trainer import Trainer
+from .cache._freeze import freeze, state_digest
+from .graph._graphmodule import GraphModule
+from .graph._refuse import parameters
+from .graph._split import Split
+from .graph._trainer import Trainer
 
 __all__ = [
     "GraphModule", "ModuleNode", "Split", "Trainer", "freeze", "from_blob", "node", "parameters",

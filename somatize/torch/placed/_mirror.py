@@ -9,7 +9,7 @@ its ``defaults``, every group's hyper-parameters and its plain settings must equ
 optimizer's here, or the run is refused before the first batch.
 
     mirror = Mirror(modules, links, optimizers)   # builds the mirrors over there
-    mirror.stepped(optimizer)                     # a Step queued, sent with the next call
+    mirror.stepped(optimizer)                     # a StepMirror queued, sent with the next call
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
-from .._errors import Refused
-from . import _private
+from ..._errors import Refused
+from .. import _private
 from ._mirror_ops import (
     AddGroup,
     ClipMul,
     ClipValue,
-    Step,
     StepChosen,
+    StepMirror,
     Zero,
     ZeroChosen,
     _hyper,
@@ -34,7 +34,7 @@ from ._mirror_ops import (
     constructor_args,
 )
 
-__all__ = ["AddGroup", "ClipMul", "ClipValue", "Mirror", "Step", "StepChosen", "Zero",
+__all__ = ["AddGroup", "ClipMul", "ClipValue", "Mirror", "StepChosen", "StepMirror", "Zero",
            "ZeroChosen"]
 
 # -- here: the one object that owns the mirrors ------------------------------------------
@@ -78,7 +78,7 @@ class Mirror:
         # the user's own optimizer for a placed module (trains={path: Split(Adam, lr=...)}):
         # built over there, stepping and zeroing when the optimizers here that hold the
         # module's parameters do (every optimizer, when none holds them)
-        from . import Split
+        from ..graph._split import Split
         from ._mirror_ops import _choose
 
         factory = trainer.factory if isinstance(trainer, Split) else trainer
@@ -256,7 +256,8 @@ class Mirror:
         opt = self.optimizers[i]
         for (j, path), groups in self.groups.items():
             if j == i:
-                self.links[path].queue(Step(i, [_hyper(opt.param_groups[g]) for g, _ in groups]))
+                hypers = [_hyper(opt.param_groups[g]) for g, _ in groups]
+                self.links[path].queue(StepMirror(i, hypers))
         for path, led in self.chosen.items():
             if i in led:
                 self.links[path].queue(StepChosen())

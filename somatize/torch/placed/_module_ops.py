@@ -1,4 +1,4 @@
-"""What a ``Link`` (``_placed.py``) sends to its placed module's worker about the module
+"""What a ``Link`` (``_here.py``) sends to its placed module's worker about the module
 itself, each a typed value that does its own work there (``op.apply(placed)``), queued
 and sent with the next call: the modes (``train()``/``eval()``), the parameters'
 ``requires_grad`` and the weights written here. Plain attributes travel as

@@ -7,43 +7,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 from blake3 import blake3
 
-from .._keys import code_tree, digest
-from .._memory import params_of
-from ._codec import to_blob
-from ._settings import settings_of
-
-
-def modules_of(node: Any) -> list[tuple[str, torch.nn.Module]]:
-    """The ``nn.Module`` attributes a node holds, by attribute name."""
-    if isinstance(node, torch.nn.Module):
-        return [("", node)]
-    return sorted((k, v) for k, v in vars(node).items() if isinstance(v, torch.nn.Module))
-
-
-def classes_in(node: Any) -> list[type]:
-    """The classes of every module a node holds, children included: their code is its."""
-    return [type(m) for _, module in modules_of(node) for m in module.modules()]
-
-
-code_tree(classes_in)
-
-
-def state_of(node: Any) -> list[tuple[str, torch.Tensor]]:
-    """A node's state as named tensors: its modules' state_dicts, else its parameters()."""
-    state = [
-        (f"{name}.{k}" if name else k, v)
-        for name, m in modules_of(node)
-        for k, v in m.state_dict(keep_vars=True).items()
-    ]
-    if not state:
-        state = [(str(i), p) for i, p in enumerate(params_of(node))]
-    return state
+from ..._keys import digest
+from .._codec import to_blob
+from .._state import modules_of, state_of
+from ._coupled import refuse_coupled_node
+from ._named import settings_of
 
 
 def named_state(node: Any, where: str = "", salt: str | None = None
@@ -105,27 +78,8 @@ def freeze(graph) -> Any:
                 t.requires_grad_(False)
         node._soma_digest = state_digest(node, n, graph.memory.cached.get(n))
     if graph.memory.mapped:
-        from ._per_item import refuse_coupled_node
-
         for n in sorted(graph.memory.mapped):
             refuse_coupled_node(n, graph.catalog[n])
     return graph
 
 
-def parameters(graph, without: Iterable[str] | Mapping[str, Any] = ()) -> list[torch.nn.Parameter]:
-    """The parameters of the graph's nodes that the local optimizer should hold.
-
-    Leaves out the nodes in ``without`` (pass ``trains``), frozen nodes, and tensors
-    that do not require a gradient; each tensor appears once.
-    """
-    skip = set(without)
-    seen: set[int] = set()
-    out = []
-    for n, node in graph.catalog.items():
-        if n in skip or n in graph.memory.frozen:
-            continue
-        for p in params_of(node):
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-    return out

@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import nn
 
-from .._graph import Graph, Placement
-from .._memory import params_of
-from ._freeze import modules_of
+from ..._graph import Graph, Placement
+from ..._memory import params_of
+from .._state import modules_of
 
 
 def _holder(node: Any) -> nn.Module | None:

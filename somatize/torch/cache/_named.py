@@ -24,9 +24,9 @@ from typing import Any
 import torch
 from blake3 import blake3
 
-from .._errors import Refused
-from .._keys import call_state
-from ._private import ROUTED_CALL, own_tensors, version
+from ..._errors import Refused
+from ..._keys import call_state
+from .._private import ROUTED_CALL, own_tensors, version
 
 # the device types whose autocast state is part of every key
 _AUTOCAST = ("cpu", "cuda", "xpu", "mps")

@@ -25,12 +25,12 @@ from typing import Any
 
 import torch
 
-from .. import _holes
-from .._errors import Refused
-from .._keys import changed, classes_of, fingerprint, key_of_input, key_of_node
-from .._say import say_once
+from ... import _holes
+from ..._errors import Refused
+from ..._keys import changed, classes_of, fingerprint, key_of_input, key_of_node
+from ..._say import say_once
 from ._freeze import digest_of, named_state
-from ._settings import Watch
+from ._named import Watch
 
 
 class CachedForward:

@@ -15,6 +15,7 @@ when the forward left nothing on its modules and changed no argument.
 from __future__ import annotations
 
 import contextlib
+import copy
 import operator
 import os
 import pickle
@@ -22,79 +23,74 @@ from typing import Any
 
 import torch
 
-from .._errors import WorkerError
-from .._trace import span
-from ._private import version, versions
-from ._raised import caught
+from ..._errors import WorkerError
+from ..._trace import span
+from .._module import ModuleNode
+from .._private import version, versions
+from .._raised import caught
+from ._messages import Same, dumps, pack, plain_out, unpack
 from ._tree import tree_flatten, tree_unflatten
 
 
-class TensorHere:
-    """Marks, among a structure's plain leaves, where a tensor stood (it travels apart)."""
+class Placed(ModuleNode):
+    """A placed module where it runs: the calls kept for their backward, the optimizers
+    that mirror the ones here (by index of the optimizer here), and the one the user
+    chose for it (``trains=``), if any."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__(module)
+        self.kept: dict[int, tuple[list, list]] = {}
+        self.mirrors: dict[int, torch.optim.Optimizer] = {}
+        self.chosen: torch.optim.Optimizer | None = None
 
 
-class Same:
-    """An argument tensor the forward left as it was: the caller's own tensor ``i`` (a
-    leaf to the walker, not a dataclass it would walk into)."""
-
-    __slots__ = ("i",)
-
-    def __init__(self, i: int):
-        self.i = i
+def _apply(placed: Placed, ops: list) -> None:
+    for op in ops:  # typed: _module_ops, _ordinary.SetAttributes, _mirror_ops
+        op.apply(placed)
 
 
-def pack(flat: list) -> tuple[list, list]:
-    """The tensors of ``flat``, and its other leaves with ``TensorHere`` in their place."""
-    tensors = [t for t in flat if isinstance(t, torch.Tensor)]
-    return tensors, [TensorHere if isinstance(t, torch.Tensor) else t for t in flat]
+def _moved(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, torch.Tensor) else value
 
 
-def unpack(tensors: Any, plain: list) -> list:
-    it = iter(tensors)
-    return [next(it) if p is TensorHere else p for p in plain]
+def _settled_on(placed: Placed, device: str) -> torch.device:
+    # the module computes on the worker's device; moved once, before any optimizer holds it
+    dev = torch.device(device)
+    if getattr(placed, "device", None) != dev:
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"this worker was given device {device!r} but has no GPU: "
+                               "start it with --device cpu (Worker(device='cpu'))")
+        placed.module.to(dev)
+        placed.device = dev
+    return dev
 
 
-def plain_args(args: tuple, kwargs: dict) -> tuple | None:
-    """``(len(args), kwargs' names)`` when every argument is a tensor and no tensor
-    stands twice: the call needs no pickled structure. Else None."""
-    n = len(args)
-    if not all(isinstance(a, torch.Tensor) for a in args) or not all(
-            isinstance(v, torch.Tensor) for v in kwargs.values()):
-        return None
-    ids = {id(a) for a in args}
-    ids.update(id(v) for v in kwargs.values())
-    return (n, tuple(kwargs)) if len(ids) == n + len(kwargs) else None
+def _run_ops(live, name: str, ops: list) -> None:
+    _apply(live.catalog[name], ops)
 
 
-def plain_out(out: Any) -> int | None:
-    """How an answer's structure travels when the output is one tensor (``None``) or a
-    tuple of ``n`` distinct tensors (``n``); else ``-1`` (pickled)."""
-    if isinstance(out, torch.Tensor):
-        return None
-    if type(out) is tuple and all(isinstance(t, torch.Tensor) for t in out) \
-            and len({id(t) for t in out}) == len(out):
-        return len(out)
-    return -1
+def _state(live, name: str, ops: list) -> dict:
+    placed = live.catalog[name]
+    _apply(placed, ops)
+    names = {id(p): n for n, p in placed.module.named_parameters()}
+    optim = {i: {names[id(p)]: _on_cpu(st) for p, st in opt.state.items()}
+             for i, opt in placed.mirrors.items()}
+    weights = {k: v.detach().to("cpu", copy=True) for k, v in placed.module.state_dict().items()}
+    return {"weights": weights, "optimizers": optim}
 
 
-def dumps(obj: Any) -> bytes:
-    """Classes and functions defined in the script (``__main__``) by value."""
-    try:  # the plain pickler is several times faster: used where nothing is __main__'s
-        blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        if b"__main__" not in blob:
-            return blob
-    except Exception:
-        pass
-    import cloudpickle
+def _on_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: _on_cpu(v) for k, v in value.items()}
+    return copy.deepcopy(value)
 
-    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _call(live, name: str, call: int, tensors: list, blob: bytes | tuple, needs: list[bool],
           grad: bool, inference: bool, rng: torch.Tensor, ops: list, autocast: list,
           dtype: torch.dtype, device: str = "cpu"):
-    from ._placed import _apply, _moved, _settled_on  # (_placed imports this module)
-
     try:
         placed = live.catalog[name]
         dev = _settled_on(placed, device)
@@ -209,8 +205,6 @@ def _changed(args: tuple, kwargs: dict, flat: list, leaves: list, versions: list
 
 
 def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
-    from ._placed import _apply
-
     try:
         placed = live.catalog[name]
         _apply(placed, ops)  # a zero_grad between the forward and this backward
@@ -229,8 +223,6 @@ def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
 
 def _weights(live, name: str, ops: list) -> dict:
     """The module's weights and buffers now (on the CPU), once ``ops`` are applied."""
-    from ._placed import _apply
-
     placed = live.catalog[name]
     _apply(placed, ops)
     return {k: v.detach().to("cpu", copy=True) for k, v in placed.module.state_dict().items()}

@@ -3,7 +3,7 @@ worker, each a typed value that does its own work there (``op.apply(placed)``), 
 functions the worker runs for it (build a mirror, norms, unscale, state in and out), and
 how a mirror is rebuilt from the optimizer here and checked against it.
 
-    ops = [Zero(0, True), Step(0, [{"lr": 0.1, ...}])]   # queued here
+    ops = [Zero(0, True), StepMirror(0, [{"lr": 0.1, ...}])]   # queued here
     for op in ops: op.apply(placed)                     # over there, before the next call
 """
 
@@ -15,9 +15,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from .._errors import Refused
-from .._trace import span
-from . import _private
+from ..._errors import Refused
+from ..._trace import span
+from .. import _private
+from ._there import _apply, _on_cpu, _settled_on
 
 # -- over there: what each queued operation does to the worker's placed module -----------
 
@@ -31,7 +32,7 @@ def _grads(opt: torch.optim.Optimizer) -> list:
 
 
 @dataclass(frozen=True)
-class Step:
+class StepMirror:
     """Mirror ``index`` steps, its groups' hyper-parameters set first (a scheduler's lr)."""
     index: int
     groups: list
@@ -121,8 +122,6 @@ class Built:
 
 def _ready(live, name: str, ops: list) -> Any:
     # the placed module over there, with what was queued for it done first
-    from ._placed import _apply
-
     placed = live.catalog[name]
     _apply(placed, ops)
     return placed
@@ -137,8 +136,6 @@ def _settings(opt: torch.optim.Optimizer) -> dict:
 
 def _build(live, name: str, i: int, groups: list, ops: list, *, cls: type, kwargs: dict,
            device: str = "cpu") -> Built:
-    from ._placed import _settled_on
-
     placed = _ready(live, name, ops)
     _settled_on(placed, device)
     params = dict(placed.module.named_parameters())
@@ -160,8 +157,6 @@ def _choose(live, name: str, ops: list, *, factory: Any) -> None:
 
 
 def _chosen_state(live, name: str, ops: list) -> dict:
-    from ._placed import _on_cpu
-
     placed = _ready(live, name, ops)
     return _on_cpu(placed.chosen.state_dict())
 

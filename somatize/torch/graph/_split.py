@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from .._errors import Refused
-from .._learning import Learning
-from .._node import Ctx
-from .._trace import span
-from .._values import Opaque, bare
+from ..._errors import Refused
+from ..._learning import Learning
+from ..._node import Ctx
+from ..._trace import span
+from ..._values import Opaque, bare
 
 
 class Split(Learning):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ._private import DATA_READ, METADATA_READS, plainly, rebuild_parameter
+from .._private import DATA_READ, METADATA_READS, plainly, rebuild_parameter
 
 _owner: dict[int, Any] = {}  # id(tensor) -> the Link whose module holds it
 

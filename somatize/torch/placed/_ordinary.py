@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from .._errors import Refused
-from ._private import plainly, registered, structure
+from ..._errors import Refused
+from .._private import plainly, registered, structure
 
 _NONE = object()
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device)

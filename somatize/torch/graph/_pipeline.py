@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 
-from .._engine import output
-from .._errors import Refused
-from .._learning import IN, Position
-from .._values import Opaque, bare
+from ..._engine import output
+from ..._errors import Refused
+from ..._learning import IN, Position
+from ..._values import Opaque, bare
 
 log = logging.getLogger(__name__)
 _NOTHING = object()

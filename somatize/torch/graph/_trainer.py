@@ -31,15 +31,15 @@ from typing import Any
 
 import torch
 
-from .._errors import Refused, SomatizeError
-from .._graph import Graph
-from .._learning import Learning
-from .._memory import has_state
-from .._trace import span
+from ..._errors import Refused, SomatizeError
+from ..._graph import Graph
+from ..._learning import Learning
+from ..._memory import has_state
+from ..._trace import span
+from .._state import restore, snapshot
+from .._tracer import Tracer
 from ._pipeline import Pipeline
 from ._step import Step
-from ._tracer import Tracer
-from ._trainer_calls import restore, snapshot
 
 log = logging.getLogger(__name__)
 

@@ -12,12 +12,11 @@ group, hyper-parameters sent with each step) apply them.
     link = Link(part, "encoder", module)      # part: the placed modules' share of a Session
     link.install()                            # module(x) now runs over there
     y = module(x, mask=m); y.sum().backward() # the encoder's weights get .grad there
-    link.queue(Step(0, groups))               # an optimizer step (_mirror_ops), queued
+    link.queue(StepMirror(0, groups))         # an optimizer step (_mirror_ops), queued
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 import logging
@@ -26,74 +25,20 @@ from typing import Any
 
 import torch
 
-from .._errors import Refused
-from ._call import Same, _backward, _call, _weights, dumps, pack, plain_args, unpack
+from ..._errors import Refused
+from .._private import hook_count, plainly, route_calls, routed_to, versions
+from .._raised import Raised, rebuilt
 from ._fresh import fresh, unfresh
-from ._module import ModuleNode
+from ._messages import Same, dumps, pack, plain_args, unpack
 from ._module_ops import SetModes, SetRequiresGrad, SetWeights, copy_into
 from ._ordinary import Attributes, Shape, into
-from ._private import hook_count, plainly, route_calls, routed_to, versions
-from ._raised import Raised, rebuilt
+from ._there import _backward, _call, _moved, _run_ops, _state, _weights
 from ._tree import tree_flatten, tree_unflatten
 
 log = logging.getLogger(__name__)
 
 
-class Placed(ModuleNode):
-    """A placed module where it runs: the calls kept for their backward, the optimizers
-    that mirror the ones here (by index of the optimizer here), and the one the user
-    chose for it (``trains=``), if any."""
-
-    def __init__(self, module: torch.nn.Module):
-        super().__init__(module)
-        self.kept: dict[int, tuple[list, list]] = {}
-        self.mirrors: dict[int, torch.optim.Optimizer] = {}
-        self.chosen: torch.optim.Optimizer | None = None
-
-
 # -- run over there, against the worker's live graph (the transport's generic call) --------
-
-def _apply(placed: Placed, ops: list) -> None:
-    for op in ops:  # typed: _module_ops, _ordinary.SetAttributes, _mirror_ops
-        op.apply(placed)
-
-
-def _moved(value: Any, device: torch.device) -> Any:
-    return value.to(device) if isinstance(value, torch.Tensor) else value
-
-
-def _settled_on(placed: Placed, device: str) -> torch.device:
-    # the module computes on the worker's device; moved once, before any optimizer holds it
-    dev = torch.device(device)
-    if getattr(placed, "device", None) != dev:
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"this worker was given device {device!r} but has no GPU: "
-                               "start it with --device cpu (Worker(device='cpu'))")
-        placed.module.to(dev)
-        placed.device = dev
-    return dev
-
-
-def _run_ops(live, name: str, ops: list) -> None:
-    _apply(live.catalog[name], ops)
-
-
-def _state(live, name: str, ops: list) -> dict:
-    placed = live.catalog[name]
-    _apply(placed, ops)
-    names = {id(p): n for n, p in placed.module.named_parameters()}
-    optim = {i: {names[id(p)]: _on_cpu(st) for p, st in opt.state.items()}
-             for i, opt in placed.mirrors.items()}
-    weights = {k: v.detach().to("cpu", copy=True) for k, v in placed.module.state_dict().items()}
-    return {"weights": weights, "optimizers": optim}
-
-
-def _on_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _on_cpu(v) for k, v in value.items()}
-    return copy.deepcopy(value)
 
 
 # -- here: the module's stand-in ------------------------------------------------------
@@ -275,7 +220,7 @@ class Link:
             raise rebuilt(got, f"module {self.name!r} on worker {self.host!r}{pid}")
         return got
 
-    # -- what the optimizers here send (somatize.torch._mirror) ------------------------------
+    # -- what the optimizers here send (somatize.torch.placed._mirror) -----------------------
     def queue(self, op: Any) -> None:
         """Send ``op`` (a typed operation: ``op.apply(placed)`` over there) with the next
         call. An op that moves the weights over there (a step) leaves the copy here stale."""
@@ -363,7 +308,6 @@ class Link:
             self.remember()
         else:
             self.seen = now  # each as self.versions has it
-
 
 
 def _crossing(value: Any) -> Any:

@@ -11,11 +11,9 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from .._graph import Graph
-from .._node import Ctx
-from ._freeze import state_of
+from ..._graph import Graph
+from ..._node import Ctx
+from .._state import restore, snapshot
 
 
 def _learn(live: Graph, n: str, signal: Any) -> Any:
@@ -46,18 +44,5 @@ def _load_trainer(live: Graph, n: str, weights: Mapping[str, Any], state: dict) 
     trainer = live.catalog[n]
     restore(trainer.node, weights)
     trainer.load_state_dict(state)
-
-
-def snapshot(node: Any) -> dict[str, torch.Tensor]:
-    """A copy of a node's state, by name."""
-    return {k: t.detach().clone() for k, t in state_of(node)}
-
-
-def restore(node: Any, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``weights`` (by name) into a node's state."""
-    with torch.no_grad():
-        for k, t in state_of(node):
-            if k in weights:
-                t.copy_(weights[k])
 
 

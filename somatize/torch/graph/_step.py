@@ -23,27 +23,27 @@ from typing import Any
 
 import torch
 
-from .._engine import Outcome, output, walk
-from .._errors import NoGradient, Refused, check_workers
-from .._graph import Graph
-from .._learning import IN, Envelope, Learning, Position, around, node_of
-from .._memory import params_of
-from .._naming import naming
-from .._stages import stages
-from .._trace import span
-from .._values import Opaque, bare
-from ._refuse import refuse, settle
-from ._session import Session
-from ._split import narrowed
-from ._trainer_calls import (
+from ..._engine import Outcome, output, walk
+from ..._errors import NoGradient, Refused, check_workers
+from ..._graph import Graph
+from ..._learning import IN, Envelope, Learning, Position, around, node_of
+from ..._memory import params_of
+from ..._naming import naming
+from ..._stages import stages
+from ..._trace import span
+from ..._values import Opaque, bare
+from .._session import Session
+from .._state import restore
+from ._calls import (
     _feeds_back,
     _forget_trainers,
     _learn,
     _load_trainer,
     _read_trainer,
     _step_trainers,
-    restore,
 )
+from ._refuse import refuse, settle
+from ._split import narrowed
 
 
 class Step:

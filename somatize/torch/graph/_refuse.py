@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from .._errors import Refused
-from .._graph import Graph
-from .._learning import Learning
-from .._memory import cacheable, check_settled, params_of
-from .._node import kind_of
-from .._stages import levels
-from ._freeze import freeze
+from ..._errors import Refused
+from ..._graph import Graph
+from ..._learning import Learning
+from ..._memory import cacheable, check_settled, params_of
+from ..._node import kind_of
+from ..._stages import levels
+from ..cache._freeze import freeze
 
 
 def refuse(graph: Graph, trains: Mapping[str, Any],
@@ -95,3 +95,20 @@ def settle(graph: Graph) -> None:
     check_settled(graph)
 
 
+def parameters(graph, without: Iterable[str] | Mapping[str, Any] = ()) -> list[torch.nn.Parameter]:
+    """The parameters of the graph's nodes that the local optimizer should hold.
+
+    Leaves out the nodes in ``without`` (pass ``trains``), frozen nodes, and tensors
+    that do not require a gradient; each tensor appears once.
+    """
+    skip = set(without)
+    seen: set[int] = set()
+    out = []
+    for n, node in graph.catalog.items():
+        if n in skip or n in graph.memory.frozen:
+            continue
+        for p in params_of(node):
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return out

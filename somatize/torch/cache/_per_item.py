@@ -27,48 +27,23 @@ from typing import Any
 import torch
 from blake3 import blake3
 
-from .._errors import Refused
-from .._keys import changed, digest, state_of_call
-from .._memory import state_digest
-from .._naming import _fingerprint_of
-from .._node import kind_of
-from .._say import say_once
-from .._values import Opaque, bare
-from ..store._items import Items, Space
+from ..._errors import Refused
+from ..._keys import changed, digest, state_of_call
+from ..._memory import state_digest
+from ..._naming import _fingerprint_of
+from ..._node import kind_of
+from ..._say import say_once
+from ..._values import Opaque, bare
+from ...store._items import Items, Space
+from .._state import modules_of
 from ._cached import CachedForward, _refuse_trained_input
-from ._freeze import modules_of
-from ._private import batchnorm_base
+from ._coupled import refuse_coupled, refuse_coupled_node
 
 CONTEXT = "somatize 2026-12 per-item key v1"
 NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
          torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
          torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 DTYPES = {v: k for k, v in NAMES.items()}
-
-
-def coupled_layers(module: torch.nn.Module) -> list[tuple[str, str]]:
-    """The layers of ``module`` that mix the rows of a batch: ``[(path, why)]``."""
-    out = []
-    for name, m in module.named_modules():
-        if isinstance(m, batchnorm_base()):  # SyncBatchNorm too
-            if m.training:
-                out.append((name, "is in train mode (it normalises by the batch's statistics)"))
-            elif not m.track_running_stats:
-                out.append((name, "has track_running_stats=False (it normalises by the "
-                                  "batch's statistics, even in eval mode)"))
-    return out
-
-
-def refuse_coupled(module: torch.nn.Module, path: str) -> None:
-    """Raise ``Refused`` naming the first layer of ``module`` that couples rows."""
-    for name, why in coupled_layers(module):
-        layer = f"{path}.{name}" if name else path
-        raise Refused(
-            f"{path!r} is kept per item, but its layer {layer!r} "
-            f"({type(module.get_submodule(name)).__name__}) {why}: an item's output would "
-            "depend on the other items of its batch, and a kept row would be wrong in "
-            "another batch. Put that layer in eval mode with track_running_stats=True, or "
-            "keep the module per batch (leave out per_item=True / .mapped())")
 
 
 def module_key(kind: str, state: str | None, salt: str | None) -> str:
@@ -230,13 +205,6 @@ class PerItem:
                 f"now returns {out.dtype} under the same name: give it another salt or store")
         self.row = row
         return out
-
-
-def refuse_coupled_node(n: str, node: Any) -> None:
-    """``refuse_coupled`` for each module a graph node holds (a wrapped module: its own)."""
-    for attr, m in modules_of(node):
-        wrapped = getattr(node, "_soma_kind", None) is not None
-        refuse_coupled(m, f"{n}.{attr}" if attr and not wrapped else n)
 
 
 def _check_code(name: str, kind: str, then: str | None, now: str | None) -> None:

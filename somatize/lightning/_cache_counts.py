@@ -1,7 +1,7 @@
 """What a cache counted in each stage of a run (training, validation, test, predict), and
 whether a train loader shuffles (then no whole batch repeats).
 
-    stages.begin("val", (hits, misses)); ...; stages.end("val", (hits, misses))  # (2, 1)
+    counts.begin("val", (hits, misses)); ...; counts.end("val", (hits, misses))  # (2, 1)
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 from torch.utils.data import RandomSampler
 
 
-class Stages:
+class StageCounts:
     """Hits and misses by stage: each stage counts from its begin to its end, and a stage
     nested in another (validation inside a training epoch) is not counted twice."""
 
