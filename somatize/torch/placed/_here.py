@@ -3,13 +3,14 @@
 several calls per step, a gradient to every argument that asks for one.
 
 The module travels once (as a node of a one-node-per-module graph, on a ``Session``);
-a call sends its arguments, the RNG state and the grad mode, and comes back with the
-outputs and the advanced RNG state; the autograd graph here holds one ``_Remote`` node
-per call whose backward sends dL/d(outputs) and receives dL/d(arguments). The weights'
+a call sends a ``Call`` (its arguments, the RNG state, the grad mode...) and comes back
+with an ``Answer`` (the outputs, the advanced RNG state: ``_messages.py``); the autograd
+graph here holds one ``_Remote`` node per call whose backward sends dL/d(outputs) and
+receives dL/d(arguments). The weights'
 gradients accumulate over there, where optimizers that mirror the ones here (group by
 group, hyper-parameters sent with each step) apply them.
 
-    link = Link(part, "encoder", module)      # part: the placed modules' share of a Session
+    link = Link(part, "encoder", module, "w") # part: the placed modules' share of a Session
     link.install()                            # module(x) now runs over there
     y = module(x, mask=m); y.sum().backward() # the encoder's weights get .grad there
     link.queue(StepMirror(0, groups))         # an optimizer step (_mirror_ops), queued
