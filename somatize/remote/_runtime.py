@@ -25,7 +25,7 @@ from .._node import kind_of
 from .._trace import span
 from ._group import Peer, group
 from ._serve import Failed
-from ._wire import bytes_of, dumps, graph_for
+from ._wire import bytes_of, graph_for
 from ._worker import Worker
 
 log = logging.getLogger(__name__)
@@ -340,13 +340,16 @@ _codes: dict[Any, bytes] = {}
 def _code(fn) -> bytes:
     """``fn`` pickled for a call; a module's own function (by reference, the same bytes
     each time) only once."""
-    if isinstance(fn, types.FunctionType) and fn.__module__ != "__main__" \
-            and "<locals>" not in fn.__qualname__:
-        code = _codes.get(fn)
-        if code is None:
-            code = _codes[fn] = dumps(fn)
-        return code
-    return dumps(fn)
+    plain = isinstance(fn, types.FunctionType) and fn.__module__ != "__main__" \
+        and "<locals>" not in fn.__qualname__
+    if plain and fn in _codes:
+        return _codes[fn]
+    from ..torch._pickling import dumps  # (torch is loaded where a call is made)
+
+    code = dumps(fn)
+    if plain:
+        _codes[fn] = code
+    return code
 
 
 def _serve_fn(name: str):

@@ -84,8 +84,12 @@ def resolve(value: Any) -> Any:
     return value.to_here() if isinstance(value, PyRRef) else value
 
 
+_PLACED, _PLACED_MESSAGES = ("Call", "Answer"), "somatize.torch.placed._messages"
+
+
 def bytes_of(value: Any) -> int:
-    """The tensor bytes in what crosses (nested containers, outcomes and stretches too)."""
+    """The tensor bytes in what crosses (nested containers, outcomes and stretches too,
+    a placed module's calls and answers)."""
     import torch
 
     tensor, plain = torch.Tensor, (str, bytes, int, float, bool, type(None))
@@ -109,45 +113,23 @@ def bytes_of(value: Any) -> int:
             todo += [v.given, v.inputs]
         elif type(v).__name__ == "Envelope":
             todo += [v.signal, v.then]
+        elif type(v).__name__ in _PLACED and type(v).__module__ == _PLACED_MESSAGES:
+            todo += [v.tensors, v.rng]  # (the rest of a placed Call or Answer holds none)
     return total
 
 
-def _pickler():
-    """cloudpickle's pickler, keeping each function's file name (cloudpickle writes
-    ``<dynamic-code>``), so that a traceback over there names the user's file and line."""
-    import types
-    from collections import ChainMap
-
-    import cloudpickle
-    from cloudpickle import cloudpickle as cp
-
-    def code(co):
-        make, args = cp._code_reduce(co)
-        return make, tuple(co.co_filename if type(a) is str and a == "<dynamic-code>" else a
-                           for a in args)
-
-    class Named(cloudpickle.CloudPickler):
-        dispatch_table = ChainMap({types.CodeType: code}, cloudpickle.CloudPickler.dispatch_table)
-
-    return Named
-
-
-def dumps(obj: Any) -> bytes:
-    """Code and objects by value where they are defined in ``__main__`` (cloudpickle)."""
-    buf = io.BytesIO()
-    _pickler()(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
-    return buf.getvalue()
-
-
 def dumps_apart(obj: Any) -> tuple[bytes, list]:
-    """``dumps``, with the tensors left out of the bytes and handed back beside them: the
-    transport sends tensors as they are (no copy of a module's weights in a pickle)."""
+    """``obj`` pickled by value (``somatize.torch._pickling``), with the tensors left out
+    of the bytes and handed back beside them: the transport sends tensors as they are (no
+    copy of a module's weights in a pickle)."""
     import torch
+
+    from ..torch._pickling import by_value
 
     tensors: list = []
     seen: dict[int, int] = {}
 
-    class Apart(_pickler()):
+    class Apart(by_value()):
         def persistent_id(self, o):
             if isinstance(o, torch.Tensor) and type(o) in (torch.Tensor, torch.nn.Parameter):
                 if id(o) not in seen:  # a tensor tied in two places stays one
@@ -206,6 +188,8 @@ def graph_for(graph, host: str) -> tuple[bytes, list]:
 
 
 def _refusal(sent, host: str, e: Exception) -> Refused:
+    from ..torch._pickling import dumps
+
     # the object at fault: the user's nodes are tried before the trainers standing by them
     mine = [(n, o) for n, o in sent.catalog.items() if not isinstance(o, Elsewhere)]
     for n, o in sorted(mine, key=lambda item: isinstance(item[1], Learning)):

@@ -1,12 +1,14 @@
 """Every private torch name somatize relies on, in one place: where torch offers no public
-way (a module's call routing, a GradScaler's found-inf record and scale, the per-tensor
-norm and unscale kernels ``clip_grad_norm_`` and ``GradScaler.unscale_`` use, a module's
-hook dictionaries, and its own parameter, buffer and child dictionaries). A torch
-upgrade that drops one breaks here, naming the attribute; tests/test_placed_optimizers.py
-pins that each exists.
+way (a module's call routing and its own call, a GradScaler's found-inf record and scale,
+the per-tensor norm and unscale kernels ``clip_grad_norm_`` and ``GradScaler.unscale_``
+use, a module's hook dictionaries, and its own parameter, buffer and child dictionaries);
+and cloudpickle's one (how it reduces a code object). An upgrade that drops one breaks
+here, naming the attribute; tests/test_placed_optimizers.py and tests/test_private.py
+pin that each exists.
 
     route_calls(module, link.forward)  # module(x) calls link.forward; pickles never see it
     route_calls(module, None)          # its own call again
+    own_call(module, x)                # what module(x) runs when not routed
     found = scaler_found_inf(scaler, optimizer)   # GradScaler's per-optimizer record
     norms = foreach_norm(grads, 2.0)
 """
@@ -22,18 +24,26 @@ from .._errors import SomatizeError
 
 
 class TorchChanged(SomatizeError):
-    """A private torch name somatize relies on is missing from the installed torch."""
+    """A private torch (or cloudpickle) name somatize relies on is missing from the
+    installed version."""
 
 
-def _need(owner: Any, attr: str, what: str) -> Any:
+def _need(owner: Any, attr: str, what: str, package: str = "torch") -> Any:
     try:
         return getattr(owner, attr)
     except AttributeError:
         where = getattr(owner, "__name__", type(owner).__name__)
+        version = torch.__version__ if package == "torch" else _version_of(package)
         raise TorchChanged(
-            f"{where}.{attr} is missing from torch {torch.__version__}: somatize reads it for "
-            f"{what} (somatize/torch/_private.py). Install the torch version somatize's "
-            "constraints.txt names, or report it with your torch version") from None
+            f"{where}.{attr} is missing from {package} {version}: somatize reads it for "
+            f"{what} (somatize/torch/_private.py). Install the {package} version somatize's "
+            f"constraints.txt names, or report it with your {package} version") from None
+
+
+def _version_of(package: str) -> str:
+    from importlib.metadata import version
+
+    return version(package)
 
 
 def scaler_found_inf(scaler: Any, optimizer: Any) -> dict:
@@ -104,6 +114,12 @@ def routed_to(module: torch.nn.Module) -> Any:
     return module.__dict__.get(ROUTED_CALL)
 
 
+def own_call(module: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """What ``module(*args, **kwargs)`` runs when its calls are not routed (its hooks and
+    forward: ``Module._call_impl``), whether they are routed or not."""
+    return _need(module, "_call_impl", "running a placed module's child here")(*args, **kwargs)
+
+
 def plainly() -> Any:
     """A context in which tensor subclasses' ``__torch_function__`` is not called (what
     somatize's own reads and writes of the placed weights here run under)."""
@@ -151,6 +167,14 @@ def batchnorm_base() -> type:
     """The base class of every BatchNorm (1d/2d/3d, lazy, SyncBatchNorm): torch exports
     none publicly."""
     return _need(torch.nn.modules.batchnorm, "_BatchNorm", "finding layers that mix rows")
+
+
+def code_reduce(co: Any) -> tuple:
+    """How cloudpickle reduces a code object it sends by value: ``(make, args)``."""
+    from cloudpickle import cloudpickle as cp
+
+    return _need(cp, "_code_reduce", "sending code by value with its file name",
+                 "cloudpickle")(co)
 
 
 def rebuild_parameter() -> Any:

@@ -1,12 +1,16 @@
 """A node's state as torch sees it, shared by every room: the modules a node holds, its
-tensors by name, and copying them out and back in.
+tensors by name, copying them out and back in (the one way weights are copied into a
+module or node), and bringing a state to the CPU to travel (the one way a worker sends
+weights or an optimizer's state back).
 
     state_of(node)                   # [("lin.weight", t), ...]
     weights = snapshot(node); restore(node, weights)
+    on_cpu(module.state_dict())      # a detached CPU copy, as it crosses
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,8 +53,22 @@ def snapshot(node: Any) -> dict[str, torch.Tensor]:
 
 
 def restore(node: Any, weights: Mapping[str, torch.Tensor]) -> None:
-    """Copy ``weights`` (by name) into a node's state."""
+    """Copy ``weights`` (by name) into a node's state (a module's: by state-dict key), in
+    place; names it lacks are passed over."""
     with torch.no_grad():
         for k, t in state_of(node):
             if k in weights:
                 t.copy_(weights[k])
+
+
+def on_cpu(value: Any) -> Any:
+    """A copy of ``value`` with every tensor in it detached on the CPU (dicts, lists and
+    tuples walked; anything else deep-copied): what crosses to another process, where
+    RPC has no device maps."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: on_cpu(v) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(on_cpu(v) for v in value)
+    return copy.deepcopy(value)

@@ -7,13 +7,12 @@ process's live graph, or here against the step's own.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from typing import Any
 
 from ..._graph import Graph
 from ..._node import Ctx
-from .._state import restore, snapshot
+from .._state import on_cpu, restore, state_of
 
 
 def _learn(live: Graph, n: str, signal: Any) -> Any:
@@ -36,8 +35,8 @@ def _forget_trainers(live: Graph, names: list[str]) -> None:
 
 
 def _read_trainer(live: Graph, n: str) -> dict:
-    trainer = live.catalog[n]
-    return {"node": snapshot(trainer.node), "trainer": copy.deepcopy(trainer.state_dict())}
+    trainer = live.catalog[n]  # (on the CPU: it may cross)
+    return {"node": on_cpu(dict(state_of(trainer.node))), "trainer": on_cpu(trainer.state_dict())}
 
 
 def _load_trainer(live: Graph, n: str, weights: Mapping[str, Any], state: dict) -> None:

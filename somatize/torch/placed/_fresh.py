@@ -45,9 +45,9 @@ def _exposed(t: torch.Tensor) -> None:
     # .data shares the storage but not the version counter: a write through it is found
     # by value, against what it held when handed out
     link = _owner.get(id(t))
-    if link is not None and id(t) not in link.exposed:
+    if link is not None and id(t) not in link.sent.exposed:
         with plainly():
-            link.exposed[id(t)] = t.detach().clone()
+            link.sent.exposed[id(t)] = t.detach().clone()
 
 
 class FreshParameter(torch.nn.Parameter):

@@ -1,18 +1,86 @@
-"""What a placed module's call and its answer carry, and how their structure travels:
-the tensors apart (TensorPipe sends them beside the pickle), the rest pickled, with a
-marker where each tensor stood; arguments that are distinct tensors only, and an output
-that is one tensor or a tuple of distinct tensors, travel with no pickled structure.
+"""What travels between a placed module here and over there: a ``Call`` (its arguments
+and the state it runs under) answered by an ``Answer`` (its outputs, the advanced RNG
+state), or by a ``Raised``. A structure travels with its tensors apart (TensorPipe sends
+them beside the pickle) and the rest ``Pickled``, a marker where each tensor stood;
+arguments that are distinct tensors only (``Spread``), and an output that is one tensor
+or a tuple of distinct tensors (``Bare``), travel with no pickle at all.
 
+    call = Call(0, tensors, spread(args, kwargs) or Pickled(dumps((spec, plain))), ...)
+    answer = _call(live, "encoder", call)        # over there: an Answer, or a Raised
     tensors, plain = pack(flat); flat == unpack(tensors, plain)
-    blob = dumps(obj)     # classes the script defines travel by value
 """
 
 from __future__ import annotations
 
-import pickle
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Arguments that are distinct tensors only, in the call's ``tensors``: the first
+    ``positional`` of them positional, the rest the keyword arguments ``names``."""
+
+    positional: int
+    names: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Bare:
+    """An output that is distinct tensors only, the answer's ``tensors``: one tensor
+    (``lone``), or a tuple of them."""
+
+    lone: bool
+
+
+ONE, TUPLE = Bare(True), Bare(False)
+
+
+@dataclass(frozen=True)
+class Pickled:
+    """A structure that travels pickled: ``(tree spec, plain leaves)``, with
+    ``TensorHere`` where each of the message's tensors stood (``Same``: an argument's)."""
+
+    blob: bytes
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call of a placed module, as it travels: numbered in order, its arguments'
+    tensors (detached, on the CPU) and how their structure travels, which of them ask
+    for dL/d(argument), and what it runs under here: grad and inference mode, the RNG
+    state, the ops queued since the last message (done first), the autocast in force
+    (``(device type, dtype, cache)`` each), the default dtype; and the device the
+    module computes on over there."""
+
+    number: int
+    tensors: list
+    structure: Spread | Pickled
+    needs: list[bool]
+    grad: bool
+    inference: bool
+    rng: torch.Tensor
+    ops: list
+    autocast: list
+    dtype: torch.dtype
+    device: str
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A call's answer: the output's tensors (detached, on the CPU) and how its
+    structure travels, which of them carry a gradient over there, the RNG state the
+    forward left, the worker's pid, and whether the call waits for a backward (a
+    frozen module's does not)."""
+
+    tensors: list
+    structure: Bare | Pickled
+    alive: list[bool]
+    rng: torch.Tensor
+    pid: int
+    kept: bool
 
 
 class TensorHere:
@@ -40,38 +108,33 @@ def unpack(tensors: Any, plain: list) -> list:
     return [next(it) if p is TensorHere else p for p in plain]
 
 
-def plain_args(args: tuple, kwargs: dict) -> tuple | None:
-    """``(len(args), kwargs' names)`` when every argument is a tensor and no tensor
-    stands twice: the call needs no pickled structure. Else None."""
+_spreads: dict[tuple, Spread] = {}  # one per (positional, names): made once, not per call
+
+
+def spread(args: tuple, kwargs: dict) -> Spread | None:
+    """How the arguments travel when every one is a tensor and no tensor stands twice
+    (no pickled structure); else None."""
     n = len(args)
     if not all(isinstance(a, torch.Tensor) for a in args) or not all(
             isinstance(v, torch.Tensor) for v in kwargs.values()):
         return None
     ids = {id(a) for a in args}
     ids.update(id(v) for v in kwargs.values())
-    return (n, tuple(kwargs)) if len(ids) == n + len(kwargs) else None
-
-
-def plain_out(out: Any) -> int | None:
-    """How an answer's structure travels when the output is one tensor (``None``) or a
-    tuple of ``n`` distinct tensors (``n``); else ``-1`` (pickled)."""
-    if isinstance(out, torch.Tensor):
+    if len(ids) != n + len(kwargs):
         return None
+    key = (n, tuple(kwargs))
+    got = _spreads.get(key)
+    if got is None:
+        got = _spreads[key] = Spread(*key)
+    return got
+
+
+def bare(out: Any) -> Bare | None:
+    """How an output travels when it is one tensor or a tuple of distinct tensors (no
+    pickled structure); else None."""
+    if isinstance(out, torch.Tensor):
+        return ONE
     if type(out) is tuple and all(isinstance(t, torch.Tensor) for t in out) \
             and len({id(t) for t in out}) == len(out):
-        return len(out)
-    return -1
-
-
-def dumps(obj: Any) -> bytes:
-    """Classes and functions defined in the script (``__main__``) by value."""
-    try:  # the plain pickler is several times faster: used where nothing is __main__'s
-        blob = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        if b"__main__" not in blob:
-            return blob
-    except Exception:
-        pass
-    import cloudpickle
-
-    return cloudpickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
+        return TUPLE
+    return None

@@ -18,7 +18,8 @@ import torch
 from ..._errors import Refused
 from ..._trace import span
 from .. import _private
-from ._there import _apply, _on_cpu, _settled_on
+from .._state import on_cpu as _on_cpu
+from ._there import _apply, _settled_on
 
 # -- over there: what each queued operation does to the worker's placed module -----------
 

@@ -1,21 +1,22 @@
-"""A placed module's call, where it runs: the arguments rebuilt in their own types, the
-forward, and the answer: the output, what the forward left on the module's attributes,
-and the arguments it changed in place, all in one structure whose tensors are the
-outputs of the call's node here (so each sends its gradient back). An exception raised
-here travels as ``Raised``, rebuilt there as its own type.
+"""A placed module's call, where it runs: a ``Call``'s arguments rebuilt in their own
+types, the forward, and its ``Answer``: the output, what the forward left on the
+module's attributes, and the arguments it changed in place, all in one structure whose
+tensors are the outputs of the call's node here (so each sends its gradient back). An
+exception raised here travels as ``Raised``, rebuilt there as its own type. Also what
+else the worker runs for a placed module: its backward, its ops, its state read.
 
-    answer = _call(live, "encoder", 0, tensors, blob, needs, ...)   # over there
+    answer = _call(live, "encoder", call)          # over there: an Answer, or a Raised
+    grads = _backward(live, "encoder", call.number, grads_of_outputs, ops)
 
 What does not change from call to call travels light: arguments that are distinct
-tensors only travel without a pickled structure (``blob`` is ``(len(args), kwargs'
-names)``), and so does an output that is one tensor or a tuple of distinct tensors,
-when the forward left nothing on its modules and changed no argument.
+tensors only travel without a pickled structure (``Spread``), and so does an output
+that is one tensor or a tuple of distinct tensors (``Bare``), when the forward left
+nothing on its modules and changed no argument.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import operator
 import os
 import pickle
@@ -26,9 +27,11 @@ import torch
 from ..._errors import WorkerError
 from ..._trace import span
 from .._module import ModuleNode
+from .._pickling import dumps
 from .._private import version, versions
-from .._raised import caught
-from ._messages import Same, dumps, pack, plain_out, unpack
+from .._raised import Raised, caught
+from .._state import on_cpu
+from ._messages import Answer, Call, Pickled, Same, bare, pack, unpack
 from ._tree import tree_flatten, tree_unflatten
 
 
@@ -49,10 +52,6 @@ def _apply(placed: Placed, ops: list) -> None:
         op.apply(placed)
 
 
-def _moved(value: Any, device: torch.device) -> Any:
-    return value.to(device) if isinstance(value, torch.Tensor) else value
-
-
 def _settled_on(placed: Placed, device: str) -> torch.device:
     # the module computes on the worker's device; moved once, before any optimizer holds it
     dev = torch.device(device)
@@ -65,64 +64,64 @@ def _settled_on(placed: Placed, device: str) -> torch.device:
     return dev
 
 
-def _run_ops(live, name: str, ops: list) -> None:
-    _apply(live.catalog[name], ops)
-
-
 def _state(live, name: str, ops: list) -> dict:
+    """The module's weights and buffers, and its mirrors' states by parameter name, on
+    the CPU, once ``ops`` are applied."""
     placed = live.catalog[name]
     _apply(placed, ops)
     names = {id(p): n for n, p in placed.module.named_parameters()}
-    optim = {i: {names[id(p)]: _on_cpu(st) for p, st in opt.state.items()}
+    optim = {i: {names[id(p)]: on_cpu(st) for p, st in opt.state.items()}
              for i, opt in placed.mirrors.items()}
-    weights = {k: v.detach().to("cpu", copy=True) for k, v in placed.module.state_dict().items()}
-    return {"weights": weights, "optimizers": optim}
+    return {"weights": on_cpu(placed.module.state_dict()), "optimizers": optim}
 
 
-def _on_cpu(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {k: _on_cpu(v) for k, v in value.items()}
-    return copy.deepcopy(value)
+def _weights(live, name: str, ops: list) -> dict:
+    """The module's weights and buffers now (on the CPU), once ``ops`` are applied."""
+    placed = live.catalog[name]
+    _apply(placed, ops)
+    return on_cpu(placed.module.state_dict())
 
 
-
-def _call(live, name: str, call: int, tensors: list, blob: bytes | tuple, needs: list[bool],
-          grad: bool, inference: bool, rng: torch.Tensor, ops: list, autocast: list,
-          dtype: torch.dtype, device: str = "cpu"):
+def _call(live, name: str, call: Call) -> Answer | Raised:
     try:
         placed = live.catalog[name]
-        dev = _settled_on(placed, device)
-        tensors = [_moved(t, dev) for t in tensors]
-        _apply(placed, ops)
-        try:
-            spec, plain = (None, blob) if isinstance(blob, tuple) else pickle.loads(blob)
-        except Exception as e:
-            raise WorkerError(
-                f"the worker could not read the arguments of a call to {name!r} "
-                f"({type(e).__name__}: {e}): a class they use must be importable over there "
-                "(installed, or on its PYTHONPATH) or defined in your script") from None
-        torch.set_rng_state(rng)
+        dev = _settled_on(placed, call.device)
+        tensors = [t.to(dev) for t in call.tensors]
+        _apply(placed, call.ops)
+        structure = call.structure
+        if type(structure) is Pickled:
+            try:
+                spec, plain = pickle.loads(structure.blob)
+            except Exception as e:
+                raise WorkerError(
+                    f"the worker could not read the arguments of a call to {name!r} "
+                    f"({type(e).__name__}: {e}): a class they use must be importable over "
+                    "there (installed, or on its PYTHONPATH) or defined in your script"
+                ) from None
+        else:
+            spec, plain = None, structure
+        torch.set_rng_state(call.rng)
         with contextlib.ExitStack() as under:
-            for device_type, cast, cache in autocast:  # the caller's autocast, as it was
+            for device_type, cast, cache in call.autocast:  # the caller's, as it was
                 under.enter_context(torch.autocast(device_type, dtype=cast,
                                                    cache_enabled=cache))
-            if dtype != torch.get_default_dtype():  # bf16-true / 16-true set it for forward
+            if call.dtype != torch.get_default_dtype():  # bf16-true / 16-true set it
                 under.callback(torch.set_default_dtype, torch.get_default_dtype())
-                torch.set_default_dtype(dtype)
-            return _run_call(placed, name, call, tensors, spec, plain, needs, grad, inference)
+                torch.set_default_dtype(call.dtype)
+            return _run_call(placed, name, call, tensors, spec, plain)
     except Exception as e:  # raised there as its own type, with this traceback as cause
         return caught(e)
 
 
-def _run_call(placed: Any, name: str, call: int, tensors: list, spec: Any, plain: Any,
-              needs: list[bool], grad: bool, inference: bool):
+def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
+              plain: Any) -> Answer:
+    needs = call.needs
     leaves = [t.detach().requires_grad_() if need else t
               for t, need in zip(tensors, needs, strict=True)]
-    if spec is None:  # distinct tensors only (plain_args): (len(args), kwargs' names)
-        n, names = plain
-        flat, args, kwargs = leaves, tuple(leaves[:n]), dict(zip(names, leaves[n:], strict=True))
+    if spec is None:  # distinct tensors only (Spread)
+        n = plain.positional
+        flat, args = leaves, tuple(leaves[:n])
+        kwargs = dict(zip(plain.names, leaves[n:], strict=True))
     else:
         flat = unpack(leaves, plain)
         args, kwargs = tree_unflatten(flat, spec)
@@ -131,33 +130,32 @@ def _run_call(placed: Any, name: str, call: int, tensors: list, spec: Any, plain
         "modules", list(placed.module.modules()))
     before = [(list(m.__dict__), list(m.__dict__.values())) for m in modules]
     with span(f"forward {name}", "node"):
-        if inference:
+        if call.inference:
             with torch.inference_mode():
                 out = placed.module(*args, **kwargs)
         else:
-            with torch.set_grad_enabled(grad):
+            with torch.set_grad_enabled(call.grad):
                 out = placed.module(*args, **kwargs)
     side = _left(modules, before)
     # a structure of tensors alone changes only through a tensor written in place
     changed = None if spec is None and versions(leaves) == was else _changed(
         args, kwargs, flat, leaves, was)
-    shape = -1 if side or changed is not None else plain_out(out)
-    if shape == -1:
+    structure = None if side or changed is not None else bare(out)
+    if structure is None:  # pickled: the output, what it left, the arguments it changed
         out_flat, out_spec = tree_flatten((out, side, changed))
         outs, out_plain = pack(out_flat)
     else:
-        outs = [out] if shape is None else list(out)
-    if grad and any(t.requires_grad for t in outs):
-        placed.kept[call] = ([t if need else None for t, need in zip(leaves, needs, strict=True)],
-                             outs)
-    # tensors cross on the CPU (no TensorPipe device maps yet): moved at the boundary
-    answer = [t.detach().cpu() for t in outs]
-    # kept: whether this call waits for a backward (a frozen module's does not)
-    # which outputs carry a gradient over there (a detached one stays so here)
-    alive = [t.requires_grad for t in outs]
-    if shape == -1:
-        shape = dumps((out_spec, out_plain))
-    return answer, shape, alive, torch.get_rng_state(), os.getpid(), call in placed.kept
+        outs = [out] if structure.lone else list(out)
+    if call.grad and any(t.requires_grad for t in outs):
+        placed.kept[call.number] = (
+            [t if need else None for t, need in zip(leaves, needs, strict=True)], outs)
+    if structure is None:
+        structure = Pickled(dumps((out_spec, out_plain)))
+    # tensors cross on the CPU (no TensorPipe device maps yet): moved at the boundary;
+    # a detached output stays so here
+    return Answer([t.detach().cpu() for t in outs], structure,
+                  [t.requires_grad for t in outs], torch.get_rng_state(), os.getpid(),
+                  call.number in placed.kept)
 
 
 _MISSING = object()
@@ -219,10 +217,3 @@ def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
                 for leaf in leaves]
     except Exception as e:
         return caught(e)
-
-
-def _weights(live, name: str, ops: list) -> dict:
-    """The module's weights and buffers now (on the CPU), once ``ops`` are applied."""
-    placed = live.catalog[name]
-    _apply(placed, ops)
-    return {k: v.detach().to("cpu", copy=True) for k, v in placed.module.state_dict().items()}
