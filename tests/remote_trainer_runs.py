@@ -152,6 +152,37 @@ def nobody_trains_there() -> None:
     assert not same(weights(far)["head"], start)  # the head trained, here
 
 
+def mirrored_body() -> None:
+    """Pre >> Body >> Head, the body on a worker with nothing in trains= and its weights
+    in the optimizer here (SGD with momentum, AdamW): trained over there by a mirror of
+    that optimizer to the numbers of the whole graph here (losses, weights, every entry
+    of the optimizer's state); stopped and resumed in a fresh session, the same again.
+    Prints "ok mirrored <optimizer>" for each."""
+    data = batches(8)
+    for make in (_sgd, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.05)):
+        def build():
+            return Pre() >> Body(seed=None) >> Head(seed=None)
+
+        whole, far = twins(build)
+        _, again = twins(build)
+        far, again = _placed(far, {"body": "gpu"}), _placed(again, {"body": "gpu"})
+        a = Trainer(whole, cross_entropy, make(parameters(whole)))
+        expected = [a.step(d) for d in data]
+        with Trainer(far, cross_entropy, make(parameters(far))) as b:
+            got = [b.step(d) for d in data[:3]]
+            saved = b.state_dict()
+            assert os.getpid() not in b.where()["body"]  # it ran (and trained) over there
+        with Trainer(again, cross_entropy, make(parameters(again))) as c:
+            c.load_state_dict(saved)  # a fresh worker session: the body from `saved`
+            got += [c.step(d) for d in data[3:]]
+            assert got == expected, (got, expected)
+            sa, sc = a.state_dict(), c.state_dict()
+            assert same(sc["nodes"], sa["nodes"])
+            assert sorted(sc["optimizer"]["state"]) == list(range(6))  # the body's too
+            assert same(sc["optimizer"], sa["optimizer"])
+        print("ok mirrored", type(make([torch.nn.Parameter(torch.ones(1))])).__name__)
+
+
 def head_up_to_date() -> None:
     """step() leaves the head here up to date; fit() steps it while the next stretch
     computes over there, and ends with the same numbers. Prints WAITED."""

@@ -31,13 +31,14 @@ def test_split_training_through_lightning_equals_one_piece_bit_for_bit(tmp_path,
         assert torch.equal(split[k], plain[k]), k
     # and the body really trained over there: its weights here never moved during a
     # training step (they are read back at epoch ends), another process ran it, Lightning's
-    # optimizer held the head only, and the strategy said it took the body's weights out
+    # optimizer held all four tensors, as in one piece, and the strategy said the body is
+    # trained by mirrors of it
     where = got["where"]
     assert where["plain"]["moved_here"] and where["plain"]["held"] == 4
-    assert not where["split"]["moved_here"] and where["split"]["held"] == 2
+    assert not where["split"]["moved_here"] and where["split"]["held"] == 4
     assert where["split"]["body_pids"] and where["split"]["pid"] not in where["split"]["body_pids"]
-    assert any("node 'body' is trained on worker 'worker'" in m
-               and "taken out of Lightning's optimizers" in m for m in got["said"]), got["said"]
+    assert any("node 'body' of 'net' is trained on worker 'worker' by mirrors of Lightning's "
+               "optimizers" in m for m in got["said"]), got["said"]
 
 
 @pytest.mark.parametrize("stop", ["epoch", "mid"])

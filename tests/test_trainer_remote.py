@@ -34,3 +34,12 @@ def test_a_far_half_nobody_trains_is_a_plain_step_and_gives_the_same_numbers(tmp
 def test_where_the_far_sides_step_waits_for_the_next_input_the_weights_here_do_not(tmp_path):
     out = coordinate("head_up_to_date", cwd=tmp_path, timeout=120)
     assert "WAITED" in out
+
+
+def test_a_placed_node_nothing_in_trains_trains_is_trained_by_a_mirror_of_the_optimizer(
+        tmp_path):
+    # its weights in the optimizer here, nothing in trains=: trained over there as in one
+    # piece (losses ==, weights and optimizer state entries torch.equal), resumed exactly
+    out = coordinate("mirrored_body", cwd=tmp_path, timeout=180)
+    assert out.splitlines()[-2:] == ["ok mirrored SGD", "ok mirrored AdamW"]
+

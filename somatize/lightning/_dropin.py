@@ -24,9 +24,9 @@ import torch
 
 from .._errors import Refused
 from .._graph import Graph, Placement
+from ..torch._mirror import Mirror
 from ..torch._session import Session
 from ..torch.placed._here import Link
-from ..torch.placed._mirror import Mirror
 from ..torch.placed._there import Placed
 from ._placing import placed_modules, refuse_tied
 

@@ -1,8 +1,8 @@
 """The placed route: a submodule placed on a worker by name and called as the model's
 code calls it. Cut along where it runs: here (``_here.py``: the module's stand-in, its
 call and backward), there (``_there.py``: what the worker runs), what travels between
-(``_messages.py``), and the optimizers over there that follow the ones here
-(``_mirror.py``, ``_mirror_ops.py``).
+(``_messages.py``). The optimizers over there that follow the ones here are shared with
+the graph route (``somatize/torch/_mirror.py``, ``_mirror_ops.py``).
 
     SomatizeStrategy(place={"encoder": "worker"})     # somatize.lightning drives it
 """
