@@ -113,7 +113,7 @@ class Picky(Body):
 
     def forward(self, x, ctx):
         if x.isnan().any():
-            raise ValueError("a NaN in the input")
+            raise ValueError("a NaN in the input")  # its own type here too
         return super().forward(x, ctx)
 
 
@@ -121,7 +121,6 @@ def failed_batch() -> None:
     """A batch that fails midway, here (the objective, on its third piece) or on the
     worker (the body, on its third piece), leaves nothing behind on either side: the run
     goes on as if that batch had never been."""
-    from somatize import WorkerError
     from somatize.torch import Trainer, parameters
 
     data = batches(5, size=16)
@@ -151,8 +150,9 @@ def failed_batch() -> None:
         got.append(t.step(data[2]))
         try:
             t.step(poisoned)
-        except WorkerError as e:
-            assert "node 'picky' raised ValueError on worker 'gpu'" in str(e), e
+        except ValueError as e:  # as raised over there, the worker's traceback its cause
+            assert "raised in node 'picky' on worker 'gpu'" in str(e), e
+            assert 'raise ValueError("a NaN in the input")' in str(e.__cause__), e.__cause__
         else:
             raise AssertionError("the body did not fail")
         got.append(t.step(data[4]))

@@ -75,6 +75,19 @@ def test_killing_the_worker_mid_fit_ends_the_run_with_an_error_naming_it(tmp_pat
     assert "worker 'worker'" in message
 
 
+def test_a_nodes_value_error_on_the_worker_mid_fit_is_a_value_error_with_its_traceback(
+        tmp_path):
+    out = tmp_path / "raised.pt"
+    run("raises", out)
+    got = torch.load(out)
+    assert got["type"] == "ValueError"
+    assert got["message"].startswith(
+        "the third batch (raised in node 'body' on worker 'worker' (pid ")
+    kind, trace = got["cause"]
+    assert kind == "WorkerTraceback" and 'raise ValueError("the third batch")' in trace
+    assert "lightning_runs.py" in trace  # the user's file and line, over there
+
+
 def test_no_checkpoint_is_written_once_the_worker_holding_trained_weights_is_lost(tmp_path):
     out = tmp_path / "lost.pt"
     run("lost_checkpoint", out, timeout=120)
