@@ -47,6 +47,14 @@ class Decoder(Node):
         return list(self.lin.parameters())
 
 
+class KeepsClip(torch.optim.SGD):
+    """Keeps a setting of its own beside defaults: a rebuild over there would miss it."""
+
+    def __init__(self, params, lr=0.1, clip=1.0):
+        super().__init__(params, lr=lr)
+        self.clip = clip
+
+
 def warmup(step):
     return min(1.0, (step + 1) / 3)
 
@@ -72,6 +80,7 @@ CASES = {
     "SGD groups": lambda enc, dec: (sgd(enc, dec), None),
     "SGD warmup": lambda enc, dec: (
         sgd(enc, dec), lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, warmup)),
+    "KeepsClip": lambda enc, dec: (KeepsClip([*enc, *dec], clip=0.5), None),
 }
 
 
@@ -129,6 +138,8 @@ def trained(where):
     and which processes ran the encoder; or what the fit raised."""
     got = {}
     for case in CASES:
+        if case == "KeepsClip":
+            continue  # refused()'s
         got[case] = {}
         for kind, strategy in strategies():
             pl.seed_everything(0)
@@ -176,12 +187,23 @@ def resumed(where):
     return got
 
 
+def refused():
+    """An optimizer that cannot be rebuilt over there as it is here: what the fit said, and
+    how many steps it took first."""
+    model = GraphNet("KeepsClip")
+    try:
+        fit(model, SomatizeStrategy(), max_steps=2)
+        return "fitted", None
+    except Exception as e:  # noqa: BLE001 (what the run said, for the test to show)
+        return f"{type(e).__name__}: {e}", model.global_step
+
+
 def cases(out):
     """Every case in one process (one worker kept across fits), saved in ``out``."""
     keep_worker()
     where = os.path.dirname(out)
     assert len(data()) == 4  # four batches an epoch
-    got = {"trained": trained(where)}
+    got = {"refused": refused(), "trained": trained(where)}
     try:
         got["resumed"] = resumed(where)
     except Exception as e:  # noqa: BLE001 (what the run said, for the test to show)

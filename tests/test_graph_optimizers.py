@@ -55,3 +55,12 @@ def test_a_checkpoint_written_during_fit_holds_plain_lightnings_state_and_resume
     # and plainly from the split checkpoint: the same
     more, weights = got["plain from split"]
     assert more == plain["losses"][4:] and same(weights, plain["weights"])
+
+
+def test_an_optimizer_that_cannot_be_rebuilt_over_there_is_refused_before_the_first_step(ran):
+    # the placed route's check, on the graph route: a setting kept beside defaults
+    text, step = ran["refused"]
+    assert step == 0
+    assert text.startswith("Refused: KeepsClip holds parameters of 'encoder'"), text
+    assert "'clip' is 0.5 here and 1.0 over there" in text
+    assert "trains={'encoder': Split(torch.optim.AdamW, lr=...)}" in text

@@ -138,22 +138,19 @@ class Trainer:
                 self.optimizer.zero_grad()  # what the failed batch accumulated here
             raise
         if self.optimizer is not None:
-            self._optimizer_step()
+            self._unstepped = True
+            self._step_local()
         return loss.item()
 
     def _step_local(self) -> None:
         if self._unstepped:
             self._unstepped = False
             with span("optimizer step here", "step"):
-                self._optimizer_step()
-
-    def _optimizer_step(self) -> None:
-        # the optimizer here, and the mirrors of it over there (sent before their forward)
-        self.optimizer.step()
-        self.optimizer.zero_grad()
-        if self._following is not None:
-            self._following.stepped(self.optimizer)
-            self._following.zeroed(self.optimizer)
+                self.optimizer.step()
+            self.optimizer.zero_grad()
+            if self._following is not None:  # its mirrors too (sent before their forward)
+                self._following.stepped(self.optimizer)
+                self._following.zeroed(self.optimizer)
 
     def flush(self) -> None:
         """Deliver what a step left owed: gradients to trainers, the local optimizer's step."""
