@@ -220,7 +220,7 @@ class Link:
             raise rebuilt(got, f"module {self.name!r} on worker {self.host!r}{pid}")
         return got
 
-    # -- what the optimizers here send (somatize.torch.placed._mirror) -----------------------
+    # -- what the optimizers here send (somatize.torch._mirror) -----------------------
     def queue(self, op: Any) -> None:
         """Send ``op`` (a typed operation: ``op.apply(placed)`` over there) with the next
         call. An op that moves the weights over there (a step) leaves the copy here stale."""
