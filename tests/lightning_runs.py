@@ -137,6 +137,34 @@ def all_remote(out):
                 "predicted": sum(len(p) for p in preds)}, out)
 
 
+class Balky(Body):
+    """The body, raising a ValueError on its third training batch, where it runs."""
+
+    seen = 0
+
+    def forward(self, x, ctx):
+        if ctx.training:
+            self.seen += 1
+            if self.seen == 3:
+                raise ValueError("the third batch")
+        return super().forward(x, ctx)
+
+
+def raises(out):
+    """A node's ValueError on the worker, mid-fit: what trainer.fit raised."""
+    from examples.digits_graph import Head
+
+    model = DigitsGraphModel(lr=0.5)
+    model.net = GraphModule(Graph.somatize(Balky().named("body").at("worker") >> Head()))
+    try:
+        fit(SomatizeStrategy(), steps=5, model=model)
+        got = {"type": None}
+    except Exception as e:  # noqa: BLE001 (what it raised, for the test to read)
+        got = {"type": type(e).__name__, "message": str(e),
+               "cause": (type(e.__cause__).__name__, str(e.__cause__))}
+    torch.save(got, out)
+
+
 class Kill(pl.Callback):
     """Kill the worker process at the third batch: the one the strategy says ran the body."""
 

@@ -151,11 +151,11 @@ class Losses(pl.Callback):
         self.losses.append(outputs["loss"].item())
 
 
-def fit(model, strategy, ckpt=None, **kw):
+def fit(model, strategy, ckpt=None, callbacks=(), **kw):
     losses = Losses()
     trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, strategy=strategy, callbacks=[losses],
-                         **kw)
+                         enable_checkpointing=False, strategy=strategy,
+                         callbacks=[losses, *callbacks], **kw)
     trainer.fit(model, data(), ckpt_path=ckpt)
     return trainer, losses.losses
 

@@ -107,12 +107,18 @@ def interrupted(where: str, path: str) -> None:
 
 
 def boom_over_there() -> None:
-    """An exception in a node over there names the worker and the node."""
+    """An exception in a node over there is raised here as its own type (a ValueError),
+    naming the worker and the node, the worker's traceback as its cause."""
     xs = x()
     with Graph.somatize(Body().at("gpu") >> Boom().at("gpu") >> Head()) as g:
-        msg, _ = worker_error(g, xs)
-    assert "'boom'" in msg and "'gpu'" in msg and "ValueError" in msg, msg
-    assert "boom inside the node" in msg and "Traceback" in msg, msg
+        try:
+            g.forward(xs)
+        except ValueError as e:
+            msg, cause = str(e), str(e.__cause__)
+        else:
+            raise SystemExit("no error")
+    assert msg.startswith("boom inside the node (raised in node 'boom' on worker 'gpu'"), msg
+    assert "Traceback" in cause and 'raise ValueError("boom inside the node")' in cause, cause
 
 
 def too_long() -> None:

@@ -152,6 +152,101 @@ def nobody_trains_there() -> None:
     assert not same(weights(far)["head"], start)  # the head trained, here
 
 
+def mirrored_body() -> None:
+    """Pre >> Body >> Head, the body on a worker with nothing in trains= and its weights
+    in the optimizer here (SGD with momentum, AdamW): trained over there by a mirror of
+    that optimizer to the numbers of the whole graph here (losses, weights, every entry
+    of the optimizer's state); stopped and resumed in a fresh session, the same again.
+    Prints "ok mirrored <optimizer>" for each."""
+    data = batches(8)
+    for make in (_sgd, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.05)):
+        def build():
+            return Pre() >> Body(seed=None) >> Head(seed=None)
+
+        whole, far = twins(build)
+        _, again = twins(build)
+        far, again = _placed(far, {"body": "gpu"}), _placed(again, {"body": "gpu"})
+        a = Trainer(whole, cross_entropy, make(parameters(whole)))
+        expected = [a.step(d) for d in data]
+        with Trainer(far, cross_entropy, make(parameters(far))) as b:
+            got = [b.step(d) for d in data[:3]]
+            saved = b.state_dict()
+            assert os.getpid() not in b.where()["body"]  # it ran (and trained) over there
+        with Trainer(again, cross_entropy, make(parameters(again))) as c:
+            c.load_state_dict(saved)  # a fresh worker session: the body from `saved`
+            got += [c.step(d) for d in data[3:]]
+            assert got == expected, (got, expected)
+            sa, sc = a.state_dict(), c.state_dict()
+            assert same(sc["nodes"], sa["nodes"])
+            assert sorted(sc["optimizer"]["state"]) == list(range(6))  # the body's too
+            assert same(sc["optimizer"], sa["optimizer"])
+        print("ok mirrored", type(make([torch.nn.Parameter(torch.ones(1))])).__name__)
+
+
+class Picky(Body):
+    """The body, refusing an input with a NaN in it (raised where it runs)."""
+
+    def forward(self, x, ctx):
+        if x.isnan().any():
+            raise ValueError("a NaN in the input")
+        return super().forward(x, ctx)
+
+
+class Strange(Exception):
+    """An exception of the script's own (it travels by value)."""
+
+
+class Balks(Split):
+    """A trainer whose learn raises, where it stands."""
+
+    def learn(self, signal, ctx):
+        raise Strange(f"{ctx.node} will not learn")
+
+
+def _one_way(e: BaseException, node: str, cls: type, says: str) -> dict:
+    """What a caught exception shows: its own type, the node and worker named, and the
+    worker's traceback (with the line that raised) as its cause."""
+    assert type(e) is cls, (type(e), e)
+    assert f"node {node!r}" in str(e) and "worker 'gpu'" in str(e), str(e)
+    cause = str(e.__cause__)
+    assert type(e.__cause__).__name__ == "WorkerTraceback" and says in cause, cause
+    return {"type": type(e).__name__, "message": str(e), "cause": cause}
+
+
+def raised_there() -> None:
+    """A node's ValueError raised on the worker is a ValueError here, with the worker's
+    traceback as its cause and the node and worker named: in g.forward, in Trainer.step
+    (and the run goes on), and a trainer's own exception in its learn. Prints one JSON
+    line of what each showed."""
+    import json
+
+    x, y = batches(1)[0]
+    nan = torch.full_like(x, float("nan"))
+    got = {}
+    with Graph.somatize(Picky(seed=None).at("gpu") >> Head(seed=None)) as g:
+        try:
+            g.forward(nan)
+        except ValueError as e:
+            got["forward"] = _one_way(e, "picky", ValueError, 'raise ValueError("a NaN')
+    g = Graph.somatize(Picky(seed=None).at("gpu") >> Head(seed=None))
+    with Trainer(g, cross_entropy, _sgd(parameters(g))) as t:  # picky mirrored
+        t.step((x, y))
+        try:
+            t.step((nan, y))
+        except ValueError as e:
+            got["step"] = _one_way(e, "picky", ValueError, 'raise ValueError("a NaN')
+        got["then"] = t.step((x, y))  # the next batch trains as ever
+    # (not the graph's root: its learn is a call, not an envelope riding the next input)
+    g = Graph.somatize(Pre() >> Picky(seed=None).at("gpu") >> Head(seed=None))
+    trains = {"picky": Balks(torch.optim.SGD, lr=0.1)}
+    with Trainer(g, cross_entropy, _sgd(parameters(g, without=trains)), trains=trains) as t:
+        try:
+            t.step((x, y))
+        except Strange as e:
+            got["learn"] = _one_way(e, "picky", Strange, "will not learn")
+    print(json.dumps(got))
+
+
 def head_up_to_date() -> None:
     """step() leaves the head here up to date; fit() steps it while the next stretch
     computes over there, and ends with the same numbers. Prints WAITED."""

@@ -31,13 +31,14 @@ def test_split_training_through_lightning_equals_one_piece_bit_for_bit(tmp_path,
         assert torch.equal(split[k], plain[k]), k
     # and the body really trained over there: its weights here never moved during a
     # training step (they are read back at epoch ends), another process ran it, Lightning's
-    # optimizer held the head only, and the strategy said it took the body's weights out
+    # optimizer held all four tensors, as in one piece, and the strategy said the body is
+    # trained by mirrors of it
     where = got["where"]
     assert where["plain"]["moved_here"] and where["plain"]["held"] == 4
-    assert not where["split"]["moved_here"] and where["split"]["held"] == 2
+    assert not where["split"]["moved_here"] and where["split"]["held"] == 4
     assert where["split"]["body_pids"] and where["split"]["pid"] not in where["split"]["body_pids"]
-    assert any("node 'body' is trained on worker 'worker'" in m
-               and "taken out of Lightning's optimizers" in m for m in got["said"]), got["said"]
+    assert any("node 'body' of 'net' is trained on worker 'worker' by mirrors of Lightning's "
+               "optimizers" in m for m in got["said"]), got["said"]
 
 
 @pytest.mark.parametrize("stop", ["epoch", "mid"])
@@ -72,6 +73,19 @@ def test_killing_the_worker_mid_fit_ends_the_run_with_an_error_naming_it(tmp_pat
     message = out.read_text()
     assert message.startswith("WorkerError")
     assert "worker 'worker'" in message
+
+
+def test_a_nodes_value_error_on_the_worker_mid_fit_is_a_value_error_with_its_traceback(
+        tmp_path):
+    out = tmp_path / "raised.pt"
+    run("raises", out)
+    got = torch.load(out)
+    assert got["type"] == "ValueError"
+    assert got["message"].startswith(
+        "the third batch (raised in node 'body' on worker 'worker' (pid ")
+    kind, trace = got["cause"]
+    assert kind == "WorkerTraceback" and 'raise ValueError("the third batch")' in trace
+    assert "lightning_runs.py" in trace  # the user's file and line, over there
 
 
 def test_no_checkpoint_is_written_once_the_worker_holding_trained_weights_is_lost(tmp_path):

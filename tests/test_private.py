@@ -24,9 +24,6 @@ HOMES = {"lightning/_private.py", "torch/_private.py", "remote/_private.py"}
 # known offenders still to move into their layer's home (by the helpers named): the lead
 # empties this list after merging, and each entry must still be needed (see below)
 STILL_TO_MOVE = {
-    # LightningOptimizer's _optimizer (it has a public .optimizer): the helper rebuilding
-    # the graph route's optimizer on the mirrors removes these uses (issue 25)
-    "torch/placed/_mirror.py",
 }
 
 # private attributes of torch or Lightning objects, by name

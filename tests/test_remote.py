@@ -76,7 +76,8 @@ def test_provisioning_refuses_a_different_catalog_on_an_open_session(tmp_path):
     coordinate("another_catalog", cwd=tmp_path)
 
 
-def test_an_exception_in_a_node_over_there_names_the_worker_and_the_node(tmp_path):
+def test_an_exception_in_a_node_over_there_is_its_own_type_naming_the_worker_and_node(
+        tmp_path):
     coordinate("boom_over_there", cwd=tmp_path)
 
 

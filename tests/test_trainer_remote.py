@@ -5,6 +5,8 @@ per process) with an embedded worker."""
 
 from __future__ import annotations
 
+import json
+
 from remote_run import coordinate
 
 
@@ -34,3 +36,27 @@ def test_a_far_half_nobody_trains_is_a_plain_step_and_gives_the_same_numbers(tmp
 def test_where_the_far_sides_step_waits_for_the_next_input_the_weights_here_do_not(tmp_path):
     out = coordinate("head_up_to_date", cwd=tmp_path, timeout=120)
     assert "WAITED" in out
+
+
+def test_a_placed_node_nothing_in_trains_trains_is_trained_by_a_mirror_of_the_optimizer(
+        tmp_path):
+    # its weights in the optimizer here, nothing in trains=: trained over there as in one
+    # piece (losses ==, weights and optimizer state entries torch.equal), resumed exactly
+    out = coordinate("mirrored_body", cwd=tmp_path, timeout=180)
+    assert out.splitlines()[-2:] == ["ok mirrored SGD", "ok mirrored AdamW"]
+
+
+def test_a_nodes_value_error_on_the_worker_is_a_value_error_here_with_its_traceback(tmp_path):
+    # in g.forward, in Trainer.step (the run goes on after it) and a trainer's own
+    # exception in its learn: the type raised over there, the worker's traceback its cause
+    got = json.loads(coordinate("raised_there", cwd=tmp_path, timeout=120).splitlines()[-1])
+    assert got.keys() == {"forward", "step", "then", "learn"}
+    for what in ("forward", "step"):
+        assert got[what]["type"] == "ValueError"
+        assert got[what]["message"].startswith(
+            "a NaN in the input (raised in node 'picky' on worker 'gpu' (pid ")
+        assert 'raise ValueError("a NaN in the input")' in got[what]["cause"]
+        assert "remote_trainer_runs.py" in got[what]["cause"]  # the user's file and line
+    assert isinstance(got["then"], float)
+    assert got["learn"]["type"] == "Strange"
+    assert got["learn"]["message"].startswith("picky will not learn (raised in node 'picky'")

@@ -1,10 +1,13 @@
 """The graph route: GraphModules inside a LightningModule whose nodes are placed with
 ``.at("worker")``. Each runs as ``somatize.torch``'s ``Step`` (the one ``Trainer``
 drives, so its refusals are the Trainer's), a part of the fit's session under its name
-in the LightningModule; a placed node with parameters is trained
-where it runs by a ``Split``: the user's (``trains={node_id: Split(...)}``), else a
-mirror of the Lightning optimizer that holds its parameters (same class and
-hyper-parameters), whose parameters are then taken out of that optimizer.
+in the LightningModule. A placed node with parameters is trained where it runs: by the
+user's ``trains={node_id: Split(...)}`` (its parameters then taken out of Lightning's
+optimizers), else by mirrors of the Lightning optimizers that hold them, as the placed
+route's modules are (``somatize/torch/_mirror.py``): rebuilt over there group by group,
+stepping when they step with the groups' hyper-parameters as they are then (a
+scheduler's lr), zero_grad followed, their state merged into ``optimizer_state()`` and
+handed back on load. Those parameters stay in Lightning's optimizers, ``.grad`` None here.
 
     route = GraphRoute.open(strategy, trainer, {"body": Split(SGD, lr=0.1)}, session)
 """
@@ -27,6 +30,7 @@ from ..torch._session import Session
 from ..torch.graph._refuse import settle
 from ..torch.graph._step import Step
 from ._callback import graph_modules
+from ._private import lightning_optimizers
 from ._route import Route
 
 log = logging.getLogger(__name__)
@@ -36,8 +40,14 @@ class GraphRoute(Route):
     """The GraphModules of one LightningModule that place a node, by name, each on its
     own ``Step``."""
 
-    def __init__(self, modules: dict[str, GraphModule], runs: dict[str, Step]):
+    def __init__(self, modules: dict[str, GraphModule], runs: dict[str, Step],
+                 fitting: bool):
         self.modules, self.runs = modules, runs
+        self.fitting = fitting  # validate or test: the optimizers here are left as they are
+        self.closed = False
+        # the runs whose nodes Lightning's optimizers' mirrors train over there
+        self.following = {name: run.following for name, run in runs.items()
+                          if run.following is not None}
 
     @override
     @classmethod
@@ -54,23 +64,30 @@ class GraphRoute(Route):
                  if isinstance(m, GraphModule) and m.graph.placement.hosts}
         if not named:
             return None
-        if chosen:
-            _limits(strategy, trainer)
+        # what a fit's optimizers hold is mirrored over there (not what validate finds left)
+        optimizers = strategy.optimizers if trainer.training else []
         runs = {}
         try:
             for name, gm in named.items():
                 mine = {n: t for n, t in chosen.items() if n in gm.graph.catalog}
-                runs[name] = Step(gm.graph, mine, store=gm.store,
-                                  optimizers=strategy.optimizers, defer=False,
-                                  session=session, name=name)
+                runs[name] = Step(gm.graph, mine, store=gm.store, optimizers=optimizers,
+                                  defer=False, session=session, name=name)
                 gm.runner = _runner(runs[name])
+            if any(run.trains for run in runs.values()):
+                _limits(strategy, trainer)
+            for name, run in runs.items():
+                if run.following is not None:
+                    _said(name, run)
+                    run.following.mirror.patch_zero_grads(lightning_optimizers(strategy))
         except BaseException:
-            for name in runs:  # refused at a later module: the earlier ones run here again
+            for name, run in runs.items():  # refused: every module runs here again
                 named[name].runner = None
+                if run.following is not None:
+                    run.following.mirror.restore()
             raise
         hosts = sorted({h for run in runs.values() for h in run.running.placement.workers()})
         log.info("the graph's placed nodes run on workers %s", hosts)
-        return cls(named, runs)
+        return cls(named, runs, trainer.training)
 
     @override
     def part_of(self, name: str) -> str | None:
@@ -94,7 +111,9 @@ class GraphRoute(Route):
     @override
     def optimizer_stepped(self, optimizer: Any) -> None:
         for run in self.runs.values():
-            run.step_trainers()
+            run.step_trainers()  # the trainers of trains= (mirrored nodes are not stepped so)
+            if run.following is not None:
+                run.following.stepped(optimizer)  # sent before the nodes' next forward
 
     @override
     def bring_weights_here(self) -> None:
@@ -104,7 +123,13 @@ class GraphRoute(Route):
 
     @override
     def state_out(self, checkpoint: dict[str, Any]) -> None:
-        states = {name: run.pull() for name, run in self.runs.items() if run.trains}
+        # the trainers of trains=; the mirrors' states are in optimizer_states
+        states = {}
+        for name, run in self.runs.items():
+            mirrored = run.following.links if run.following is not None else {}
+            mine = {n: st for n, st in run.pull().items() if n not in mirrored}
+            if mine:
+                states[name] = mine
         if states:
             checkpoint.setdefault("somatize", {})["trainers"] = states
 
@@ -113,6 +138,16 @@ class GraphRoute(Route):
         for name, states in checkpoint.get("somatize", {}).get("trainers", {}).items():
             if name in self.runs:
                 self.runs[name].load_state({n: {"trainer": st} for n, st in states.items()})
+        for following in self.following.values():
+            following.load(list(checkpoint.get("optimizer_states", [])))
+
+    @override
+    def optimizer_state(self, optimizer: Any, state: dict) -> dict:
+        if self.closed:  # after fit the optimizers here hold what the mirrors held
+            return state
+        for following in self.following.values():
+            state = following.optimizer_state(optimizer, state)
+        return state
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -125,69 +160,75 @@ class GraphRoute(Route):
 
     @override
     def close(self, pull: bool) -> None:
+        if self.closed:
+            return
+        self.closed = True
         try:
             if pull:
                 self.bring_weights_here()
+                if self.fitting:  # after fit, the optimizers here are one piece's
+                    for following in self.following.values():
+                        following.keep_here()
         finally:
             for name, run in self.runs.items():
                 self.modules[name].runner = None  # its own forward again
                 run.discard()
+            for following in self.following.values():
+                following.mirror.restore()
 
 
 def _limits(strategy: Any, trainer: Any) -> None:
-    # the graph route's trainers (Split) hold their own optimizers: no autocast, scaler
-    # or clipping reaches them. The placed route (place=) has all three
+    # autocast does not reach a graph's stretches over there, nor a loss scale its
+    # trainers; clipping is not taken over them (a trains= Split's optimizer would not see
+    # the norm). The placed route (place=) has all three
     if type(strategy.precision_plugin) is not Precision:
         raise Refused(
-            f"precision={trainer.precision!r}: a GraphModule's nodes trained on workers "
-            "(Split) run in full precision only (autocast and a loss scale do not reach "
-            "their optimizers). Use lightning.Trainer(precision='32-true'), or place "
-            "plain submodules with SomatizeStrategy(place=...), which honours precision")
+            f"precision={trainer.precision!r}: a GraphModule's nodes trained on workers run "
+            "in full precision only (autocast and a loss scale do not reach them over "
+            "there). Use lightning.Trainer(precision='32-true'), or place plain submodules "
+            "with SomatizeStrategy(place=...), which honours precision")
     if trainer.gradient_clip_val:
         raise Refused(
-            "gradient_clip_val with a GraphModule's nodes trained on workers (Split): the "
-            "norm would be taken over the weights here only. Train without "
-            "gradient_clip_val, or place plain submodules with SomatizeStrategy(place="
-            "...), which clips over every parameter as one piece would")
+            "gradient_clip_val with a GraphModule's nodes trained on workers: the norm "
+            "would be taken over the weights here only. Train without gradient_clip_val, "
+            "or place plain submodules with SomatizeStrategy(place=...), which clips over "
+            "every parameter as one piece would")
 
 
 def _trains(strategy: Any, model: Any, trainer: Any, trains: Mapping[str, Any]
             ) -> dict[str, Learning]:
-    """What trains each placed node: ``trains``' entry, else a mirror of the optimizer
-    here that holds its parameters (which are then taken out of that optimizer)."""
+    """What ``trains=`` gives the placed nodes, their parameters taken out of
+    Lightning's optimizers. The placed nodes it leaves out that those optimizers hold are
+    mirrored by their ``Step``."""
     out: dict[str, Learning] = {}
     for gm in graph_modules(model):
         g = gm.graph
         settle(g)  # before params are read: what is frozen is not trained
         for n in g.ids:
-            host = g.placement.get(n)
-            params = {id(p) for p in params_of(g.catalog[n]) if p.requires_grad}
-            if n in trains:
-                if host is None:
-                    raise Refused(f"trains names {n!r}, which runs here: SomatizeStrategy "
-                                  f"trains placed nodes; give {n!r} .at('worker') or train "
-                                  "it with Lightning's optimizer")
-                t = trains[n]
-                out[n] = copy.copy(t) if isinstance(t, Learning) else Split(t)
-                if n in g.memory.frozen:
-                    continue  # refused by the step, with the Trainer's words
-            elif host is not None and params and n not in g.memory.frozen:
-                opt = next((o for o in strategy.optimizers for grp in o.param_groups
-                            for p in grp["params"] if id(p) in params), None)
-                if opt is None:
-                    continue  # no optimizer here holds it: it is not trained
-                if strategy.lr_scheduler_configs:
-                    raise Refused(f"node {n!r} would be trained on worker {host!r} by a "
-                                  "mirror of the local optimizer, which cannot follow a "
-                                  "learning-rate scheduler: pass trains= explicitly")
-                out[n] = Split(type(opt), **opt.defaults)
-            else:
+            if n not in trains:
                 continue
+            host = g.placement.get(n)
+            if host is None:
+                raise Refused(f"trains names {n!r}, which runs here: SomatizeStrategy "
+                              f"trains placed nodes; give {n!r} .at('worker') or train "
+                              "it with Lightning's optimizer")
+            t = trains[n]
+            out[n] = copy.copy(t) if isinstance(t, Learning) else Split(t)
+            if n in g.memory.frozen:
+                continue  # refused by the step, with the Trainer's words
             # one step per backward unless Lightning accumulates (or the user steps)
             out[n].accumulates = not (model.automatic_optimization
                                       and trainer.accumulate_grad_batches == 1)
+            params = {id(p) for p in params_of(g.catalog[n]) if p.requires_grad}
             _take_out(strategy.optimizers, n, host, params)
     return out
+
+
+def _said(name: str, run: Step) -> None:
+    for n in run.following.links:
+        log.info("node %r of %r is trained on worker %r by mirrors of Lightning's optimizers "
+                 "that hold its parameters (they stay in them, with .grad None here)", n,
+                 name, run.graph.placement.get(n))
 
 
 def _take_out(optimizers: list, n: str, host: str, params: set[int]) -> None:

@@ -27,9 +27,9 @@ from typing_extensions import override
 
 from .._errors import Refused
 from .._graph import Graph, Placement
+from ..torch._mirror import Mirror
 from ..torch._session import Session
 from ..torch.placed._here import Link
-from ..torch.placed._mirror import Mirror
 from ..torch.placed._there import Placed
 from ._placing import placed_modules, refuse_tied
 from ._private import lightning_optimizers

@@ -323,8 +323,14 @@ def _wait(fut) -> Any:
     return fut.wait()
 
 
-def _raised_over_there(p: Peer, what: str, f: Failed) -> SomatizeError:
+def _raised_over_there(p: Peer, what: str, f: Failed) -> BaseException:
     at = f"node {f.node!r}" if f.node else what
+    if f.raised is not None:  # a node's or a call's own: its type, the trace its cause
+        from ..torch._raised import rebuilt
+
+        where = f"worker {p.host!r} (pid {p.pid})"
+        return rebuilt(f.raised, f"node {f.node!r} on {where}" if f.node
+                       else f"{where}, {what}")
     trace = f"\n--- traceback on worker {p.host!r} (pid {p.pid}) ---\n{f.trace}" if f.trace else ""
     cls = getattr(_errors, f.error, None)
     if isinstance(cls, type) and issubclass(cls, SomatizeError) and cls is not WorkerError:

@@ -37,12 +37,15 @@ _compute = ThreadPoolExecutor(max_workers=1, thread_name_prefix="somatize-comput
 
 @dataclass(frozen=True)
 class Failed:
-    """What a worker answers instead of raising: the node at fault and the traceback."""
+    """What a worker answers instead of raising: the node at fault and the traceback;
+    ``raised``: what a node or a call raised, as it travels (``somatize.torch._raised``),
+    raised there as its own type."""
 
     node: str | None
     error: str  # the exception's class name
     message: str
     trace: str
+    raised: Any = None
 
 
 _joined: set[str] = set()  # on the coordinator: workers whose join has completed
@@ -191,7 +194,7 @@ def _run(session: str, stretch: Any) -> Any:
                    naming=stretch.naming, training=stretch.training,
                    wanted=stretch.wanted)
     except BaseException as e:  # answered, never raised: the coordinator names the node
-        return Failed(_failing_node(e), type(e).__name__, str(e), traceback.format_exc())
+        return _failed(e, _failing_node(e))
     return travelling(graph, out, stretch)
 
 
@@ -208,7 +211,13 @@ def _call(session: str, fn_blob: bytes, args: tuple, kw: dict) -> Any:
                                                           "__name__", "call"), "call"):
             return fn(graph, *args, **kw)
     except BaseException as e:
-        return Failed(None, type(e).__name__, str(e), traceback.format_exc())
+        return _failed(e, _failing_node(e))
+
+
+def _failed(e: BaseException, node: Any) -> Failed:
+    from ..torch._raised import caught  # how every route's exceptions travel
+
+    return Failed(node, type(e).__name__, str(e), traceback.format_exc(), caught(e))
 
 
 def stop() -> None:
@@ -225,11 +234,12 @@ def _catalog_of(graph) -> dict[str, str]:
 
 
 def _failing_node(e: BaseException) -> str | None:
-    # the innermost engine frame running a node names it
+    # the innermost somatize frame running something for a node names it (``node_id``):
+    # the engine's run_node, a trainer's learn
     tb, node = e.__traceback__, None
     while tb is not None:
         f = tb.tb_frame
-        if f.f_code.co_name == "run_node" and "node_id" in f.f_locals:
+        if "node_id" in f.f_locals and f.f_globals.get("__name__", "").startswith("somatize."):
             node = f.f_locals["node_id"]
         tb = tb.tb_next
     return node

@@ -15,9 +15,10 @@ from ..._node import Ctx
 from .._state import on_cpu, restore, state_of
 
 
-def _learn(live: Graph, n: str, signal: Any) -> Any:
-    """Hand trainer ``n`` dL/d(its node's output); answer dL/d(its input) or None."""
-    return live.catalog[n].learn(signal, Ctx(n, live.placement.get(n), True))
+def _learn(live: Graph, node_id: str, signal: Any) -> Any:
+    """Hand trainer ``node_id`` dL/d(its node's output); answer dL/d(its input) or None.
+    (``node_id``: what names the node when its learn raises over there.)"""
+    return live.catalog[node_id].learn(signal, Ctx(node_id, live.placement.get(node_id), True))
 
 
 def _feeds_back(live: Graph, n: str) -> None:

@@ -19,6 +19,7 @@ from ..._memory import cacheable, check_settled, params_of
 from ..._node import kind_of
 from ..._stages import levels
 from ..cache._freeze import freeze
+from ._mirrored import Mirrored
 
 
 def refuse(graph: Graph, trains: Mapping[str, Any],
@@ -60,7 +61,8 @@ def refuse(graph: Graph, trains: Mapping[str, Any],
                 f"kept under one name. Cache only before the first cut, or drop .cached() from "
                 f"{late}")
     held = {id(p) for o in optimizers for group in o.param_groups for p in group["params"]}
-    both = sorted(n for n in trains if any(id(p) in held for p in params_of(graph.catalog[n])))
+    both = sorted(n for n in trains if not isinstance(trains[n], Mirrored)  # (held: mirrored)
+                  and any(id(p) in held for p in params_of(graph.catalog[n])))
     if both:
         raise Refused(
             f"the local optimizer holds weights of {both}, which are also trained where "

@@ -82,9 +82,9 @@ class Split(Learning):
         (x, y), self._kept = self._kept[0], self._kept[1:]
         if signal is None:
             return None  # nothing handed back: the weights stay where they were
-        optimizer = self.optimizer
         torch.autograd.backward(y, bare(signal))  # bare: cast back if it crossed narrowed
         if not self.accumulates:
+            optimizer = self.optimizer
             with span(f"optimizer step {ctx.node}", "step"):
                 optimizer.step()
             optimizer.zero_grad()

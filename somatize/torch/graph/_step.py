@@ -42,6 +42,7 @@ from ._calls import (
     _read_trainer,
     _step_trainers,
 )
+from ._mirrored import Following, Mirrored, _after, mirrored
 from ._refuse import refuse, settle
 from ._split import narrowed
 
@@ -54,7 +55,10 @@ class Step:
         trains: ``{node_id: Learning}``: what trains each node where it runs.
         workers: ``{host: Worker}`` for placed nodes (local processes when not given).
         store: a directory or Keeper where ``.cached()`` nodes are kept.
-        optimizers: the optimizers here; holding a trained node's weights is refused.
+        optimizers: the optimizers here. A placed node whose weights they hold and that
+            ``trains`` leaves out is trained where it runs by mirrors of them
+            (``Mirrored``; the driver tells ``following`` when they step and zero);
+            holding the weights of a node in ``trains`` is refused.
         defer: let a remote root trainer nobody upstream needs dL/dx from take its
             gradient with the next step's input (one round trip per step); a driver that
             steps trainers itself, right after the backward, says False.
@@ -74,6 +78,7 @@ class Step:
         check_workers(workers)  # before anything else is refused or settled
         self.trains: dict[str, Learning] = dict(trains or {})
         optimizers = [o for o in optimizers if o is not None]
+        self.trains.update(mirrored(graph, self.trains, optimizers))
         refuse(graph, self.trains, optimizers)
         settle(graph)
         if micro_batches > 1:  # set before the trainers are sent to where they run
@@ -96,6 +101,14 @@ class Step:
         self.made: dict[str, Any] | None = None  # the forward awaiting its backward
         self.owed: dict[str, Any] = {}  # gradients deferred to the next step's input
         self._plan_stages(defer)
+        followed = [n for n, t in self.trains.items() if isinstance(t, Mirrored)]
+        self.following: Following | None = None
+        if followed:
+            try:  # the mirrors are built over there now, and checked
+                self.following = Following(self.part, graph, followed, optimizers)
+            except BaseException:
+                self.close()
+                raise
 
     def _plan_stages(self, defer: bool) -> None:
         # read off the graph once: it does not change once built
@@ -115,10 +128,11 @@ class Step:
         # the last stage's untrained sinks are read by the objective alone: handed as they
         # are, so loss.backward() goes on through that stage in the same call
         self.kept = {n for n in self.wanted[-1] if n not in trains} if self.stages else set()
+        # (a mirrored node's step comes between its learn and its next forward: never)
         self.deferrable = {
             n for n, t in trains.items()
             if defer and graph.placement.get(n) is not None and not graph.preds[n]
-            and not t.feeds_back}
+            and not t.feeds_back and not isinstance(t, Mirrored)}
 
     # -- forward ----------------------------------------------------------------------
     def forward(self, inputs: Mapping[str, Any], *, training: bool = True,
@@ -136,6 +150,8 @@ class Step:
             out, self.made = self._staged(inputs, meanwhile)
             return out
         self.follow_math()
+        if self.following is not None:
+            self.following.send()  # a step of the mirrors, before they run
         fed = {Position(r, IN) if r in self.trains else r: v for r, v in inputs.items()}
         out = walk(self.running, self.running.plan.order, inputs=fed, keeper=self.keeper,
                    naming=self.naming, training=training, remote=self.runtime,
@@ -177,6 +193,8 @@ class Step:
         ``handed``; add what it hands on to ``handed`` and its leaves to ``made``."""
         if k == 0:
             self.follow_math()
+            if self.following is not None:
+                self.following.send()  # the mirrors' step and zero_grad, before they run
         out = walk(self.running, self.orders[k], inputs=fed, given=handed,
                    keeper=self.keeper if k == 0 else None, naming=self.naming and k == 0,
                    training=True, remote=self.runtime, wanted=self.wanted[k],
@@ -292,7 +310,7 @@ class Step:
         those of ``names``, or every one."""
         by_host: dict[str | None, list[str]] = {}
         for n in self.trains if names is None else names:
-            if self.trains[n].accumulates:
+            if self.trains[n].accumulates and not isinstance(self.trains[n], Mirrored):
                 by_host.setdefault(self.graph.placement.get(n), []).append(n)
         for host, ns in by_host.items():
             self._on(host, _step_trainers, ns)
@@ -344,6 +362,9 @@ class Step:
         # against the worker's live one, by the transport's generic call
         if host is None:
             return fn(self.running, *args)
+        queued = self.following.taken(host) if self.following is not None else None
+        if queued:  # what the mirrors queued there rides with the call, done first
+            return self.part.call(host, _after, queued, fn, *args)
         return self.part.call(host, fn, *args)
 
 

@@ -99,7 +99,10 @@ class Trainer:
         self._roots = graph.roots
         # where the far side's step waits for the next input (one round trip per step), the
         # local one waits too: it is taken while the next step's first stretch computes
-        self._later = bool(self._step.deferrable) and optimizer is not None
+        # (not when it steps mirrors over there too: theirs goes before that stretch)
+        self._following = self._step.following
+        self._later = bool(self._step.deferrable) and optimizer is not None \
+            and self._following is None
         self._unstepped = False  # the last step's local optimizer step, not yet taken
         self._fitting = False  # inside fit nobody reads the weights here between two steps
 
@@ -126,6 +129,8 @@ class Trainer:
         # micro-batches: every piece there and back (the trainers step at the end), then here
         try:
             loss = self._pipeline.run(x, target, lambda out, t: _scalar(self.objective(out, t)))
+            if self._following is not None:
+                self._pipeline.wait()  # every learn of the mirrored nodes, before they step
             if self._step.trains:
                 self._step.check_gradients([self.optimizer])
         except BaseException:
@@ -133,8 +138,8 @@ class Trainer:
                 self.optimizer.zero_grad()  # what the failed batch accumulated here
             raise
         if self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad()
+            self._unstepped = True
+            self._step_local()
         return loss.item()
 
     def _step_local(self) -> None:
@@ -143,6 +148,9 @@ class Trainer:
             with span("optimizer step here", "step"):
                 self.optimizer.step()
             self.optimizer.zero_grad()
+            if self._following is not None:  # its mirrors too (sent before their forward)
+                self._following.stepped(self.optimizer)
+                self._following.zeroed(self.optimizer)
 
     def flush(self) -> None:
         """Deliver what a step left owed: gradients to trainers, the local optimizer's step."""
@@ -206,19 +214,24 @@ class Trainer:
         for n, got in self._step.state().items():
             nodes[n], trainers[n] = got["node"], got["trainer"]
         optimizer = None if self.optimizer is None else copy.deepcopy(self.optimizer.state_dict())
+        if optimizer is not None and self._following is not None:  # one piece's entries
+            optimizer = self._following.optimizer_state(self.optimizer, optimizer)
         return {"nodes": nodes, "optimizer": optimizer, "trainers": trainers}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Take back what ``state_dict`` gave: weights here and there, optimizers' states."""
         self.flush()
+        trained = self._step.trains  # the mirrored nodes too: their weights are over there
         for n, weights in state["nodes"].items():
-            if n not in self.trains:
+            if n not in trained:
                 restore(self.graph.catalog[n], weights)
         self._step.load_state({n: {"node": state["nodes"].get(n, {}),
                                    "trainer": state["trainers"].get(n, {})}
-                               for n in self.trains})
+                               for n in trained})
         if self.optimizer is not None and state.get("optimizer") is not None:
             self.optimizer.load_state_dict(state["optimizer"])
+            if self._following is not None:
+                self._following.load([state["optimizer"]])
 
     def close(self) -> None:
         """Deliver what is owed and stop the worker processes this trainer started."""

@@ -186,7 +186,7 @@ class Link:
         pid = f" (pid {peer.pid})" if peer is not None else ""
         return rebuilt(got, f"module {self.name!r} on worker {self.host!r}{pid}")
 
-    # -- what the optimizers here send (somatize.torch.placed._mirror) -----------------------
+    # -- what the optimizers here send (somatize.torch._mirror) -----------------------
     def queue(self, op: Any) -> None:
         """Send ``op`` (a typed operation: ``op.apply(placed)`` over there) with the next
         call. An op that moves the weights over there (a step) leaves the copy here stale."""

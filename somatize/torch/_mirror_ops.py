@@ -1,7 +1,9 @@
-"""The optimizer operations a ``Mirror`` (``_mirror.py``) sends to a placed module's
-worker, each a typed value that does its own work there (``op.apply(placed)``), the
+"""The optimizer operations a ``Mirror`` (``_mirror.py``) sends to where a module it
+mirrors runs, each a typed value that does its own work there (``op.apply(placed)``), the
 functions the worker runs for it (build a mirror, norms, unscale, state in and out), and
-how a mirror is rebuilt from the optimizer here and checked against it.
+how a mirror is rebuilt from the optimizer here and checked against it. ``placed`` is
+what stands for the module over there, on either route: ``.module`` (its parameters by
+name), ``.mirrors`` (by index of the optimizer here) and ``.chosen`` (the user's own).
 
     ops = [Zero(0, True), StepMirror(0, [{"lr": 0.1, ...}])]   # queued here
     for op in ops: op.apply(placed)                     # over there, before the next call
@@ -15,11 +17,11 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..._errors import Refused
-from ..._trace import span
-from .. import _private
-from .._state import on_cpu as _on_cpu
-from ._there import _apply, _settled_on
+from .._errors import Refused
+from .._trace import span
+from . import _private
+from ._state import on_cpu as _on_cpu
+from .placed._there import _apply, _settled_on
 
 # -- over there: what each queued operation does to the worker's placed module -----------
 
@@ -136,9 +138,10 @@ def _settings(opt: torch.optim.Optimizer) -> dict:
 
 
 def _build(live, name: str, i: int, groups: list, ops: list, *, cls: type, kwargs: dict,
-           device: str = "cpu") -> Built:
+           device: str | None = "cpu") -> Built:
     placed = _ready(live, name, ops)
-    _settled_on(placed, device)
+    if device is not None:  # None: the module computes where its weights already are
+        _settled_on(placed, device)
     params = dict(placed.module.named_parameters())
     try:
         opt = cls([{**hyper, "params": [params[n] for n in names]} for names, hyper in groups],
@@ -181,6 +184,22 @@ def _unscale(live, name: str, i: int, inv: torch.Tensor, ops: list) -> torch.Ten
     if grads:  # what GradScaler.unscale_ does to each gradient, in place
         _private.unscale_(grads, found, inv.to(dev))
     return found.cpu()
+
+
+def mirror_states(placed: Any) -> dict:
+    """The mirrors' states over there, on the CPU: ``{index here: {parameter name: entry}}``."""
+    names = {id(p): n for n, p in placed.module.named_parameters()}
+    return {i: {names[id(p)]: _on_cpu(st) for p, st in opt.state.items()}
+            for i, opt in placed.mirrors.items()}
+
+
+def _mirror_states(live, name: str, ops: list) -> dict:
+    return mirror_states(_ready(live, name, ops))
+
+
+def _queued(live, name: str, ops: list) -> None:
+    """What was queued for ``name`` over there, done now (sent ahead of a forward)."""
+    _ready(live, name, ops)
 
 
 def _load_optimizer(live, name: str, i: int, by_name: dict, ops: list) -> None:
@@ -272,5 +291,5 @@ def _cannot(optimizer: Any, path: str, why: str) -> Refused:
         f"be rebuilt there as it is here: {why}. An optimizer is rebuilt from the "
         "constructor arguments it keeps in its defaults (as torch.optim's do): keep every "
         f"argument of {name} in defaults, or train {path!r} over there with an optimizer "
-        f"of your choice: SomatizeStrategy(place=..., trains={{{path!r}: "
-        "Split(torch.optim.AdamW, lr=...)}})")
+        f"of your choice: trains={{{path!r}: Split(torch.optim.AdamW, lr=...)}} (given to "
+        "SomatizeStrategy or Trainer)")

@@ -1,15 +1,25 @@
-"""The optimizers over there that follow the ones here: one ``Mirror`` per placed route
-owns them (which groups of which optimizer hold placed parameters, zero_grad, steps,
-the loss scaler, clipping, state out and in). What it queues for the worker are typed
-operations (``_mirror_ops.py``), each doing its own work there (``op.apply(placed)``).
+"""The optimizers over there that follow the ones here, for both routes: a placed
+module (``place=``) and a graph's node placed with ``.at(...)`` that the optimizer here
+holds are trained where they run by mirrors of it. One ``Mirror`` owns them (which groups
+of which optimizer hold whose parameters, zero_grad, steps, the loss scaler, clipping,
+state out and in). What it queues are typed operations (``_mirror_ops.py``), each doing
+its own work over there (``op.apply(placed)``) on the object that stands for the module
+there (``.module``, ``.mirrors``, ``.chosen``): the placed route's ``Placed``, the graph
+route's ``Mirrored`` trainer.
 
 Each mirror is built over there from the same constructor arguments as the optimizer
 here (those its constructor takes that it keeps in ``defaults``), and then checked:
 its ``defaults``, every group's hyper-parameters and its plain settings must equal the
-optimizer's here, or the run is refused before the first batch.
+optimizer's here, or the run is refused before the first batch. It steps when that
+optimizer steps, with its groups' hyper-parameters as they are then (a scheduler's lr).
 
     mirror = Mirror(modules, links, optimizers)   # builds the mirrors over there
     mirror.stepped(optimizer)                     # a StepMirror queued, sent with the next call
+
+A link is what sends to where one module runs: ``queue(op)`` (sent, in order, before
+its next forward or call), ``call(fn, *args)`` (``fn(live, name, *args, ops)`` over
+there, what is queued done first) and ``device`` (where the module computes over there;
+None: where its weights already are).
 """
 
 from __future__ import annotations
@@ -19,8 +29,8 @@ from typing import Any
 
 import torch
 
-from ..._errors import Refused
-from .. import _private
+from .._errors import Refused
+from . import _private
 from ._mirror_ops import (
     AddGroup,
     ClipMul,
@@ -29,10 +39,19 @@ from ._mirror_ops import (
     StepMirror,
     Zero,
     ZeroChosen,
+    _build,
+    _choose,
+    _chosen_state,
     _hyper,
+    _load_chosen,
+    _load_optimizer,
+    _norms,
+    _unscale,
     check,
     constructor_args,
 )
+
+_UNSET = object()  # an attribute the instance did not have of its own
 
 __all__ = ["AddGroup", "ClipMul", "ClipValue", "Mirror", "StepChosen", "StepMirror", "Zero",
            "ZeroChosen"]
@@ -65,7 +84,8 @@ class Mirror:
         for i in range(len(self.optimizers)):
             self.follow(i)
         self.skipped: set[int] = set()  # optimizers whose step the loss scaler skipped
-        self._patched: list = []  # (object, attribute) set on an instance here
+        self._patched: list = []  # (object, attribute, what it was, ours) set here
+        self.wrappers: dict[int, list] = {}  # per optimizer here: what wraps it for the user
         self._plugin: Any = None
 
     def trained(self, path: str) -> bool:
@@ -78,8 +98,7 @@ class Mirror:
         # the user's own optimizer for a placed module (trains={path: Split(Adam, lr=...)}):
         # built over there, stepping and zeroing when the optimizers here that hold the
         # module's parameters do (every optimizer, when none holds them)
-        from ..graph._split import Split
-        from ._mirror_ops import _choose
+        from .graph._split import Split
 
         factory = trainer.factory if isinstance(trainer, Split) else trainer
         if not callable(factory):
@@ -102,7 +121,6 @@ class Mirror:
         """Mirror the groups of optimizer ``i`` not mirrored yet: all of them at the start,
         then those added during fit (``add_param_group``: a finetuning callback unfreezing
         a placed backbone)."""
-        from ._mirror_ops import _build
 
         opt = self.optimizers[i]
         first = self._seen[i]
@@ -134,23 +152,35 @@ class Mirror:
         self._seen[i] = len(opt.param_groups)
 
     # -- zero_grad, the loss scaler, clipping: as one piece, on every side ---------------
-    def patch_zero_grads(self, wrappers: list) -> None:
+    def patch_zero_grads(self, wrappers: list = ()) -> None:
         """zero_grad reaches the mirrors: with two optimizers stepped at different rates, a
-        gradient left over there must be cleared when the user clears it here."""
+        gradient left over there must be cleared when the user clears it here.
+        ``wrappers``: what hands the optimizers to the user's code (Lightning's
+        ``LightningOptimizer``, whose public ``.optimizer`` is the one here)."""
         for i, opt in enumerate(self.optimizers):
-            for target in [opt, *[w for w in wrappers if getattr(w, "_optimizer", None) is opt]]:
+            self.wrappers[i] = [w for w in wrappers if w.optimizer is opt]
+            for target in [opt, *self.wrappers[i]]:
                 original = target.zero_grad
 
                 def zero_grad(set_to_none: bool = True, _i=i, _original=original):
                     _original(set_to_none=set_to_none)
-                    self.follow(_i)
-                    for p in self.trained_by(_i):
-                        op = ZeroChosen(set_to_none) if p in self.chosen else Zero(_i,
-                                                                                   set_to_none)
-                        self.links[p].queue(op)
+                    if self._patched:  # (not once taken back, under a later wrapper)
+                        self.zeroed(_i, set_to_none)
 
-                target.zero_grad = zero_grad
-                self._patched.append((target, "zero_grad"))
+                self._patch(target, "zero_grad", zero_grad)
+
+    def zeroed(self, i: int, set_to_none: bool = True) -> None:
+        """Optimizer ``i`` here cleared its gradients: so do its mirrors (sent with the
+        next call), and the optimizers chosen over there that follow it."""
+        self.follow(i)
+        for p in self.trained_by(i):
+            self.links[p].queue(ZeroChosen(set_to_none) if p in self.chosen
+                                else Zero(i, set_to_none))
+
+    def _patch(self, target: Any, attr: str, value: Any) -> None:
+        # set on the instance here only; restore() takes it back
+        self._patched.append((target, attr, target.__dict__.get(attr, _UNSET), value))
+        setattr(target, attr, value)
 
     def patch_precision(self, precision: Any) -> None:
         """Clipping and the loss scaler see every parameter, here and over there, as one
@@ -159,52 +189,45 @@ class Mirror:
         clip_norm, clip_value = precision.clip_grad_by_norm, precision.clip_grad_by_value
 
         def clip_grad_by_norm(optimizer, clip_val):
-            if not self._clip_norm(optimizer, clip_val):
+            if not (self._patched and self._clip_norm(optimizer, clip_val)):
                 clip_norm(optimizer, clip_val)
 
         def clip_grad_by_value(optimizer, clip_val):
             clip_value(optimizer, clip_val)
-            for path in self._paths(optimizer):
+            for path in self._paths(optimizer) if self._patched else ():
                 self.links[path].queue(ClipValue(self.index(optimizer), clip_val))
 
-        precision.clip_grad_by_norm = clip_grad_by_norm
-        precision.clip_grad_by_value = clip_grad_by_value
-        self._patched += [(precision, "clip_grad_by_norm"), (precision, "clip_grad_by_value")]
+        self._patch(precision, "clip_grad_by_norm", clip_grad_by_norm)
+        self._patch(precision, "clip_grad_by_value", clip_grad_by_value)
         scaler = getattr(precision, "scaler", None)
         if scaler is None:
             return
         unscale, step = scaler.unscale_, scaler.step
 
         def unscale_(optimizer):
-            from ._mirror_ops import _unscale
-
             unscale(optimizer)
-            raw = getattr(optimizer, "_optimizer", optimizer)
-            found = _private.scaler_found_inf(scaler, raw)["found_inf_per_device"]
+            found = _private.scaler_found_inf(scaler, optimizer)["found_inf_per_device"]
             inv = _private.scaler_scale(scaler).double().reciprocal().float()  # as GradScaler
-            for path in self._paths(optimizer):
+            for path in self._paths(optimizer) if self._patched else ():
                 inf = self.links[path].call(_unscale, self.index(optimizer), inv)
                 key = next(iter(found), inf.device)
                 found[key] = found[key] + inf.to(key) if key in found else inf
 
         def step_(optimizer, *args, **kwargs):
-            raw = getattr(optimizer, "_optimizer", optimizer)
-            infs = _private.scaler_found_inf_if_any(scaler, raw).get("found_inf_per_device", {})
+            infs = _private.scaler_found_inf_if_any(scaler, optimizer).get(
+                "found_inf_per_device", {})
             i = self.index(optimizer)
-            if i is not None and sum(v.item() for v in infs.values()):
+            if i is not None and self._patched and sum(v.item() for v in infs.values()):
                 self.skipped.add(i)  # inf or nan somewhere: no side steps
             return step(optimizer, *args, **kwargs)
 
-        scaler.unscale_ = unscale_
-        scaler.step = step_
-        self._patched += [(scaler, "unscale_"), (scaler, "step")]
+        self._patch(scaler, "unscale_", unscale_)
+        self._patch(scaler, "step", step_)
 
     def _clip_norm(self, optimizer: Any, clip_val: float, norm_type: float = 2.0) -> bool:
         """clip_grad_norm_ over the parameters here and over there, as one piece: the
         same per-parameter norms, stacked in the order one piece stacks them (grouped
         by device and dtype, first seen first), the same coefficient on every side."""
-        from ._mirror_ops import _norms
-
         i = self.index(optimizer)
         paths = self._paths(optimizer)
         if i is None or not paths:
@@ -290,8 +313,6 @@ class Mirror:
 
     def load(self, states: list) -> None:
         """Hand the mirrors their parameters' entries of checkpointed optimizer states."""
-        from ._mirror_ops import _load_optimizer
-
         for i in range(len(self.optimizers)):  # groups restored before this (finetuning)
             self.follow(i)
         for (i, path), _ in self.groups.items():
@@ -306,21 +327,24 @@ class Mirror:
 
     def chosen_states(self) -> dict[str, Any]:
         """The chosen optimizers' states over there, by placed path."""
-        from ._mirror_ops import _chosen_state
-
         return {p: self.links[p].call(_chosen_state) for p in self.chosen}
 
     def load_chosen_states(self, states: dict) -> None:
-        from ._mirror_ops import _load_chosen
-
         for p, state in states.items():
             if p in self.chosen:
                 self.links[p].call(_load_chosen, state)
 
     def restore(self) -> None:
-        """Take back what was set on instances here (zero_grad, the plugin's methods)."""
-        for target, attr in self._patched:
-            target.__dict__.pop(attr, None)
+        """Take back what was set on instances here (zero_grad, the plugin's methods). One
+        that another Mirror wrapped since (the other route's) stays under it, passing
+        straight through to what it wrapped."""
+        for target, attr, before, mine in reversed(self._patched):
+            if target.__dict__.get(attr) is not mine:
+                continue
+            if before is _UNSET:
+                del target.__dict__[attr]
+            else:
+                target.__dict__[attr] = before
         self._patched.clear()
 
     def trained_by(self, i: int) -> list[str]:
@@ -329,5 +353,7 @@ class Mirror:
                 + [p for p, led in self.chosen.items() if i in led])
 
     def index(self, optimizer: Any) -> int | None:
-        raw = getattr(optimizer, "_optimizer", optimizer)
-        return next((i for i, o in enumerate(self.optimizers) if o is raw), None)
+        """Which optimizer here ``optimizer`` is (itself, or a wrapper of it), or None."""
+        return next((i for i, o in enumerate(self.optimizers)
+                     if o is optimizer or any(w is optimizer for w in self.wrappers.get(i, ()))),
+                    None)
