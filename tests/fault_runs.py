@@ -10,6 +10,7 @@ Each prints the error the coordinator raised.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -71,6 +72,7 @@ def _stop_children(done: threading.Event) -> None:
 
 
 def stopped() -> None:
+    faulthandler.dump_traceback_later(150)  # a hang shows where it is, before the test's 180 s
     configure(timeout=10)
     done = threading.Event()
     threading.Thread(target=_stop_children, args=(done,), daemon=True).start()

@@ -15,9 +15,14 @@ RUNS = HERE / "fault_runs.py"
 def _run(tmp_path, *args) -> str:
     # the scenarios that stop or kill "the coordinator's children" find workers as them
     children = args[0] in ("stopped", "placed_lost")
-    r = subprocess.run([sys.executable, str(RUNS), *args],
-                       env=own_children(env()) if children else env(), cwd=tmp_path,
-                       capture_output=True, text=True, timeout=180)
+    try:
+        r = subprocess.run([sys.executable, str(RUNS), *args],
+                           env=own_children(env()) if children else env(), cwd=tmp_path,
+                           capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired as e:  # what it printed, the stacks of a hang among it
+        said = [(s.decode(errors="replace") if isinstance(s, bytes) else s) or ""
+                for s in (e.stdout, e.stderr)]
+        pytest.fail(f"{args[0]} did not end within 180 s:\n{said[0]}\n{said[1][-6000:]}")
     assert r.returncode == 0 and "ERROR" in r.stdout, r.stdout + r.stderr[-3000:]
     return r.stdout
 

@@ -57,7 +57,7 @@ def _settled_on(placed: Placed, device: str) -> torch.device:
     dev = torch.device(device)
     if getattr(placed, "device", None) != dev:
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"this worker was given device {device!r} but has no GPU: "
+            raise WorkerError(f"this worker was given device {device!r} but has no GPU: "
                                "start it with --device cpu (Worker(device='cpu'))")
         placed.module.to(dev)
         placed.device = dev
