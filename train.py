@@ -48,22 +48,51 @@ log = logging.getLogger("train")
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float | None:
+    from somatize import SomatizeError
+
+    try:
+        return run(cfg)
+    except SomatizeError as e:  # what the command line got wrong: one line, no traceback
+        log.error("%s", e)
+        raise SystemExit(1) from None
+
+
+def run(cfg: DictConfig) -> float | None:
+    """Fit, then test, on one start of each worker (they serve both)."""
+    from somatize.remote import keep_workers
+
     pl.seed_everything(cfg.seed, workers=True)
+    across_machines(cfg.get("somatize", {}))
     data = instantiate(cfg.data)
     model = instantiate(cfg.model)
     callbacks = [instantiate(c) for c in cfg.get("callbacks", {}).values() if c]
     trainer = instantiate(cfg.trainer, callbacks=callbacks)
     here = count_calls_here(trainer, model)
-    trainer.fit(model, data, ckpt_path=cfg.ckpt_path)
-    if not trainer.is_global_zero:
-        return None
-    for module, said in where(trainer, model, here).items():
-        log.info("module %r %s", module, said)
-    if cfg.test:
+    with keep_workers():
+        trainer.fit(model, data, ckpt_path=cfg.ckpt_path)
+        if not trainer.is_global_zero:
+            return None
+        for module, said in where(trainer, model, here).items():
+            log.info("module %r %s", module, said)
+        if not cfg.test:
+            return None
         acc = trainer.test(model, data, verbose=False)[0]["test_acc"]
-        log.info("accuracy on held-out digits: %.3f", acc)
-        return acc
-    return None
+    log.info("accuracy on held-out digits: %.3f", acc)
+    return acc
+
+
+def across_machines(knobs) -> None:
+    """``somatize.listen``: the address this coordinator binds, which workers on other
+    machines reach; ``somatize.token_file``: a copy of the standing worker's token."""
+    from somatize.remote import configure
+    from somatize.remote._secret import TOKEN_FILE_ENV, read_token_file
+
+    if knobs.get("listen"):
+        configure(listen=str(knobs.listen))
+    if knobs.get("token_file"):
+        path = os.path.abspath(str(knobs.token_file))
+        read_token_file(path)  # refused here, in one line, when missing, a link or unsafe
+        os.environ[TOKEN_FILE_ENV] = path
 
 
 def count_calls_here(trainer: pl.Trainer, model: pl.LightningModule) -> Counter:
@@ -78,30 +107,19 @@ def count_calls_here(trainer: pl.Trainer, model: pl.LightningModule) -> Counter:
 
 
 def where(trainer: pl.Trainer, model: pl.LightningModule, here: Counter) -> dict[str, str]:
-    """Where each module of the model ran, by the processes that ran it (placed ones as
-    the strategy counted them, over there), and for a cached module how many of its calls
-    computed its output and how many read it from the store."""
+    """Where each module of the model that ran here ran, by this process's pid (the
+    strategy says where the placed ones ran, and SomatizeCache what it read back)."""
     from somatize.lightning import SomatizeCache
 
-    ran = trainer.strategy.where().get("", {}) if hasattr(trainer.strategy, "where") else {}
-    placed = getattr(trainer.strategy, "place", None) or {}
+    ran = trainer.strategy.where() if hasattr(trainer.strategy, "where") else {}
     cache = next((c for c in trainer.callbacks if isinstance(c, SomatizeCache)), None)
-    me = os.getpid()
     said = {}
-    for name in dict.fromkeys([*(n for n, _ in model.named_children()), *ran]):
-        pids = ran.get(name) or ({me: here[name]} if here[name] else {})
-        if not pids:
-            continue  # never called
+    for name, _ in model.named_children():
+        if name in ran or not here[name]:
+            continue  # placed (said by the strategy), or never called
         cached = cache is not None and name in cache.modules
-        said[name] = ("was called in " if cached else "ran in ") + ", ".join(
-            f"process {pid} ({'here' if pid == me else f'worker {placed.get(name)!r}'}) "
-            f"{times} times" for pid, times in pids.items())
-        if cached and cache.per_item:  # counted in items (rows), not calls
-            said[name] += (f"; it computed its output for {cache.misses} items and read it "
-                           f"from the store for {cache.hits} (per item)")
-        elif cached:  # the example caches one module: the callback's totals are its own
-            said[name] += (f"; it computed its output for {cache.misses} of those calls and "
-                           f"read it from the store for {cache.hits}")
+        said[name] = (f"{'was called' if cached else 'ran'} in process {os.getpid()} (here) "
+                      f"{here[name]} times")
     return said
 
 

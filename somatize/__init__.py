@@ -11,7 +11,7 @@ The core (graph, plan, stages, keys) imports no torch; ``somatize.torch`` does.
 
 import sys
 
-from . import _holes
+from . import _holes, _log
 from ._errors import (
     ContractError,
     GraphError,
@@ -41,6 +41,7 @@ __all__ = [
     "key_of_input", "key_of_node", "stages",
 ]
 __version__ = "0.1.0"
+_log.install()
 
 
 def _module_node(obj):

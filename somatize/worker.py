@@ -30,6 +30,7 @@ serving process's command line is built here from checked fields of the request.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import logging
 import os
@@ -202,7 +203,15 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # a token file others may read, or none to be made
         print(f"somatize worker {args.name}: {e}", file=sys.stderr)
         return 2
-    srv = socket.create_server((host, int(port)))
+    try:
+        srv = socket.create_server((host, int(port)))
+    except OSError as e:  # a port in use, an address not of this machine
+        fix = ("another process listens there: stop it, or give another port"
+               if e.errno == errno.EADDRINUSE else
+               "give an address of this machine (ip addr), or 127.0.0.1")
+        print(f"somatize worker {args.name}: cannot listen on {args.listen} ({e.strerror}): "
+              f"{fix}", file=sys.stderr)
+        return 2
     children: set[subprocess.Popen] = set()
     done = threading.Event()
 

@@ -56,7 +56,7 @@ def placed(out, store):
     _, losses, weights = fit(strategy, callbacks=[cache, here])
     torch.save({"plain": (plain_losses, plain), "cached": (losses, weights),
                 "counts": (cache.hits, cache.misses), "here": here.here,
-                "ran": strategy.where().get("", {}), "pid": os.getpid()}, out)
+                "ran": strategy.where(), "pid": os.getpid()}, out)
 
 
 if __name__ == "__main__":

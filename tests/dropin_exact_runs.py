@@ -61,7 +61,7 @@ def finetune(out):
         _, losses, weights = fit(Finetuned(), s, digits(), max_epochs=3,
                                  callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)])
         got[name] = (losses, weights)
-    torch.save({**got, "vals": (None, None), "ran": s.where().get("", {}), "pid": os.getpid()},
+    torch.save({**got, "vals": (None, None), "ran": s.where(), "pid": os.getpid()},
                out)
 
 

@@ -271,4 +271,4 @@ def both(make, place, out, data=None, **kw):
     _, split_losses, split = fit(model := make(), strategy, data, **kw)
     torch.save({"plain": (plain_losses, plain), "split": (split_losses, split),
                 "vals": (plain_vals, getattr(model, "vals", None)),
-                "ran": strategy.where().get("", {}), "pid": os.getpid()}, out)
+                "ran": strategy.where(), "pid": os.getpid()}, out)

@@ -119,7 +119,7 @@ def precision(out, case):
                           lambda: None)())
     torch.save({"plain": (plain_losses, plain), "split": (split_losses, split),
                 "as_is": as_is, "scales": scales,
-                "ran": strategy.where().get("", {}), "pid": os.getpid()}, out)
+                "ran": strategy.where(), "pid": os.getpid()}, out)
 
 
 def devices(out):

@@ -114,7 +114,7 @@ class Held(pl.Callback):
     def on_train_end(self, trainer, pl_module):
         self.held = sum(len(g["params"]) for o in trainer.optimizers for g in o.param_groups)
         where = trainer.strategy.where() if hasattr(trainer.strategy, "where") else {}
-        self.ran = sorted(where.get("net", {}).get("encoder", {}))
+        self.ran = sorted(where.get("net.encoder", {}))
 
 
 class SaveAtFirstEpochEnd(pl.Callback):

@@ -67,7 +67,7 @@ class Where(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.moved_here |= not torch.equal(pl_module.net.nodes["body"].lin.weight, self.start)
         if hasattr(trainer.strategy, "where"):  # the processes that ran the body, by count
-            self.body_pids = sorted(trainer.strategy.where()["net"]["body"])
+            self.body_pids = sorted(trainer.strategy.where()["net.body"])
 
     def evidence(self):
         return {"moved_here": self.moved_here, "held": self.held,
@@ -172,7 +172,7 @@ class Kill(pl.Callback):
         if batch_idx == 2:
             from remote_run import no_worker_left
 
-            there = [p for p in trainer.strategy.where()["net"]["body"] if p != os.getpid()]
+            there = [p for p in trainer.strategy.where()["net.body"] if p != os.getpid()]
             assert len(there) == 1, trainer.strategy.where()
             os.kill(there[0], signal.SIGKILL)
             deadline = time.monotonic() + 30
@@ -257,7 +257,7 @@ class RunsOverThere(pl.Callback):
         self.counts = []
 
     def on_train_epoch_end(self, trainer, pl_module):
-        ran = trainer.strategy.where()["net"]["body"]
+        ran = trainer.strategy.where()["net.body"]
         self.counts.append(sum(n for pid, n in ran.items() if pid != os.getpid()))
 
 

@@ -88,7 +88,7 @@ class CtrlC(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 3:
             where = trainer.strategy.where()  # the placed module's and the body node's
-            pids = {*where[""]["encoder"], *where["net"]["body"]}
+            pids = {*where["encoder"], *where["net.body"]}
             with open(self.marker, "w") as f:
                 json.dump(sorted(pids), f)
             os.kill(os.getpid(), signal.SIGINT)  # Python's own Ctrl-C, here and now

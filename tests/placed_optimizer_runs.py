@@ -237,8 +237,7 @@ class Started(pl.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if batch_idx == 0 and not os.path.exists(self.out + ".started"):
-            ran = {pid for names in trainer.strategy.where().values()
-                   for pids in names.values() for pid in pids}
+            ran = {pid for pids in trainer.strategy.where().values() for pid in pids}
             with open(self.out + ".started.part", "w") as f:
                 f.write(" ".join(map(str, [os.getpid(), *sorted(ran - {os.getpid()})])))
             os.replace(self.out + ".started.part", self.out + ".started")  # whole, at once

@@ -113,7 +113,7 @@ def both(make, place, out, data=None, extra=None, **kw):
     _, split_losses, split = fit(model, strategy, data, **kw)
     got = {"plain": (plain_losses, plain), "split": (split_losses, split),
            "seen": (plain_seen, extra(model) if extra else None),
-           "ran": strategy.where().get("", {}), "pid": os.getpid()}
+           "ran": strategy.where(), "pid": os.getpid()}
     torch.save(got, out)
 
 
@@ -385,7 +385,7 @@ def readers(out):
         _, losses, weights = fit(model, strategy, digits(), max_steps=6,
                                  callbacks=[mean, *([ema] if name != "quiet" else [])])
         got[name] = {"losses": losses, "weights": weights, "received": mean.received,
-                     "ran": strategy.where().get("", {}) if name != "plain" else {}}
+                     "ran": strategy.where() if name != "plain" else {}}
     got["weight_bytes"] = sum(p.numel() * 4 for p in Teacher().encoder.parameters())
     got["pid"] = os.getpid()
     torch.save(got, out)

@@ -62,6 +62,9 @@ def trained_across() -> None:
             ran = b.where()
             assert set(ran["body"]) != {os.getpid()} and len(ran["body"]) == 1
             assert set(ran["head"]) == {os.getpid()}
+            # counted as the user counts calls: once a step, the Split's body as well
+            assert list(ran["body"].values()) == [len(data)], ran
+            assert ran["head"] == {os.getpid(): len(data)}, ran
             assert sb["trainers"]["body"]["optimizer"]["state"]
             assert not trains["body"].state_dict()["optimizer"]["state"]
             # nothing pulled the weights back behind the user's back

@@ -33,9 +33,9 @@ def test_a_placed_submodule_and_a_graph_node_placed_in_one_model_both_train_exac
         assert not torch.equal(plain[k], got["fresh"][k]), k  # every weight trained
     # each route's work ran in a worker process, every step: the same one (one host)
     where = got["where"]
-    assert got["pid"] not in where[""]["encoder"] and sum(where[""]["encoder"].values()) >= 12
-    assert got["pid"] not in where["net"]["body"] and sum(where["net"]["body"].values()) >= 12
-    assert where[""]["encoder"].keys() == where["net"]["body"].keys()
+    assert got["pid"] not in where["encoder"] and sum(where["encoder"].values()) >= 12
+    assert got["pid"] not in where["net.body"] and sum(where["net.body"].values()) >= 12
+    assert where["encoder"].keys() == where["net.body"].keys()
 
 
 def test_the_two_routes_of_a_fit_are_parts_of_one_session_that_closes_them_both(mixed):

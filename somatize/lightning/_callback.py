@@ -13,6 +13,8 @@ from __future__ import annotations
 import difflib
 import logging
 import os
+import re
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from os import PathLike
 from typing import Any
@@ -216,6 +218,30 @@ class SomatizeCache(pl.Callback):
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._settle(pl_module)
         self._refuse_trained(trainer)
+        self._own_eval_mode(pl_module)
+
+    def _own_eval_mode(self, pl_module: pl.LightningModule) -> None:
+        """Lightning warns of modules in eval mode at the start of training: when those
+        are the cached ones, which this callback froze, the warning is ours, and said here."""
+        frozen = {n for n, m in pl_module.named_modules()
+                  if not m.training and any(n == c or n.startswith(c + ".")
+                                            for c in self.cached)}
+        others = [n for n, m in pl_module.named_modules() if not m.training and n not in frozen]
+        if frozen and not others:
+            warnings.filterwarnings(
+                "ignore", message=re.escape(f"Found {len(frozen)} module(s) in eval mode at "
+                                            "the start of training."))
+            log.info("the cached modules %s are in eval mode (frozen: the outputs kept are "
+                     "their eval outputs); Lightning's 'module(s) in eval mode' warning is "
+                     "about them", sorted(self.cached))
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and self.cached:
+            said = "items" if self.per_item else "calls"
+            log.info("SomatizeCache: modules %s computed their output for %d %s and read it "
+                     "from the store %s for %d", sorted(self.cached), self.misses, said,
+                     self.store, self.hits)
 
     @override
     def on_test_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -274,7 +300,8 @@ class SomatizeCache(pl.Callback):
                                 f"cache/{prefix}misses": float(misses)},
                                on_epoch=True, on_step=False)
         where = f"epoch {self._trainer.current_epoch}" if self._trainer else "epoch"
-        log.info("%s %s: %d cached outputs found, %d computed", stage, where, hits, misses)
+        # per epoch at DEBUG: INFO would print into the progress bar; on_fit_end sums it
+        log.debug("%s %s: %d cached outputs found, %d computed", stage, where, hits, misses)
         return hits, misses
 
     def _say_why_nothing_hit(self, trainer: pl.Trainer, hits: int, misses: int) -> None:

@@ -61,6 +61,7 @@ class PlacedRoute(Route):
                  precision: Any = None, here: Any = None,
                  trains: Mapping[str, Any] | None = None, schedulers: list = ()):
         self.modules = placed_modules(model, place)
+        self.place = dict(place)
         trains = dict(trains or {})
         odd = sorted(set(trains) - set(self.modules))
         if odd:
@@ -95,20 +96,6 @@ class PlacedRoute(Route):
             self.mirror.patch_precision(precision)
         for link in self.links.values():
             link.install()
-        log.info("placed modules %s run on workers: Lightning's ModelSummary counts their "
-                 "FLOPs as 0 (their parameters it counts)", sorted(self.modules))
-        for path, m in self.modules.items():
-            n = sum(p.numel() for p in m.parameters())
-            if self.mirror.trained(path):
-                log.info("module %r (%s, %d parameters) runs and trains on worker %r; its "
-                         "weights here are brought up to date at epoch ends, checkpoints and "
-                         "sync()", path, type(m).__name__, n, place[path])
-            else:
-                log.info("module %r (%s, %d parameters) runs on worker %r and does not "
-                         "train there: no optimizer here holds a parameter of it that "
-                         "requires grad",
-                         path, type(m).__name__, n, place[path])
-
     @override
     @classmethod
     def names(cls, strategy: Any, model: Any) -> list[str]:
@@ -132,9 +119,28 @@ class PlacedRoute(Route):
                     strategy.precision_plugin, strategy.root_device, trains=trains,
                     schedulers=[c.scheduler for c in strategy.lr_scheduler_configs])
         route.fitting = trainer.training  # validate or test: the optimizers here keep theirs
+        if trainer.training:
+            route.say()
         for link in route.links.values():
             link.fitting = trainer.training
         return route
+
+    def say(self) -> None:
+        """Log what runs where, as a fit begins (a test or validate after it does not
+        say it again)."""
+        log.info("placed modules %s run on workers: Lightning's ModelSummary counts their "
+                 "FLOPs as 0 (their parameters it counts)", sorted(self.modules))
+        for path, m in self.modules.items():
+            n = sum(p.numel() for p in m.parameters())
+            if self.mirror.trained(path):
+                log.info("module %r (%s, %d parameters) runs and trains on worker %r; its "
+                         "weights here are brought up to date at epoch ends, checkpoints and "
+                         "sync()", path, type(m).__name__, n, self.place[path])
+            else:
+                log.info("module %r (%s, %d parameters) runs on worker %r and does not "
+                         "train there: no optimizer here holds a parameter of it that "
+                         "requires grad",
+                         path, type(m).__name__, n, self.place[path])
 
     @override
     def part_of(self, name: str) -> str | None:

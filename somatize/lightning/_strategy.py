@@ -28,9 +28,9 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from typing_extensions import override
 
 from .. import _trace
-from .._errors import WorkerError
+from .._errors import Refused, WorkerError
 from .._trace import span
-from ..torch._session import Session, lost_error, refuse_devices
+from ..torch._session import Session, Traffic, lost_error, refuse_devices
 from ..torch._tracer import Tracer
 from ..torch.graph._refuse import refuse_unknown
 from ._callback import graph_modules
@@ -76,6 +76,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
                  store: Any = None, place: Mapping[str, str] | None = None,
                  trace: str | os.PathLike | None = None, **kwargs: Any):
         super().__init__(device=torch.device("cpu"), **kwargs)  # Lightning's, at setup
+        _check_place(place)
+        _check_workers(workers)
         self.place = dict(place or {})
         self.trace = trace
         self._tracer: Tracer | None = None
@@ -158,6 +160,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
             route.close(pull=False)
         names = {kind: kind.names(self, model) for kind in ROUTES}
         refuse_unknown(self.trains, GraphRoute.names(self, model), self.place)
+        _refuse_unused_workers(self.workers, self.place, graph_modules(model))
         # the new session first: the worker processes of the old one are reused
         last, self._session = self._session, Session(
             workers=self.workers, restart="run the fit again (it starts fresh workers)")
@@ -189,15 +192,37 @@ class SomatizeStrategy(SingleDeviceStrategy):
                 "of a GraphModule", type(model).__name__)
 
     # -- what ran where -----------------------------------------------------------------
-    def where(self) -> dict[str, dict[str, dict[int, int]]]:
-        """Which processes ran each node of each GraphModule, and how often:
-        ``{graph_module_name: {node: {pid: times}}}`` (the worker's pid for placed nodes);
-        placed submodules under ``""``: ``{"": {"encoder": {pid: times}}}``."""
-        return {} if self._session is None else self._session.where()
+    def where(self) -> dict[str, dict[int, int]]:
+        """Which processes ran each placed module and each placed node, and how often (one
+        call a forward, however it trains): ``{name: {pid: times}}``, a placed module under
+        its path (``"encoder"``), a GraphModule's node under the GraphModule's path and the
+        node's id (``"net.body"``); the worker's pid for what ran over there."""
+        if self._session is None:
+            return {}
+        return {(f"{part}.{name}" if part else name): pids
+                for part, ran in self._session.where().items() for name, pids in ran.items()}
 
-    def traffic(self) -> tuple[float, int, int]:
-        """Seconds this process waited on workers, bytes sent, bytes received, so far."""
-        return (0.0, 0, 0) if self._session is None else self._session.traffic()
+    def _say_where(self) -> None:
+        """Log where each placed module and node ran, once a fit is over (INFO, one line
+        each: the user's account of the fit, outside the progress bar)."""
+        hosts = dict(self.place)
+        for route in self.routes:
+            for name, gm in getattr(route, "modules", {}).items():
+                if isinstance(route, GraphRoute):
+                    for node in gm.graph.ids:
+                        if gm.graph.placement.get(node):
+                            hosts[f"{name}.{node}"] = gm.graph.placement.get(node)
+        me = os.getpid()
+        for name, pids in self.where().items():
+            if pids:
+                log.info("module %r ran in %s", name, ", ".join(
+                    f"process {pid} ({'here' if pid == me else f'worker {hosts.get(name)!r}'}) "
+                    f"{times} times" for pid, times in pids.items()))
+
+    def traffic(self) -> Traffic:
+        """What this fit moved so far: ``Traffic(waited, sent, received)``, the seconds this
+        process waited on workers and the bytes sent and received (a tuple too)."""
+        return Traffic() if self._session is None else self._session.traffic()
 
     def session(self, name: str | None = None) -> Any:
         """The fit's ``Session``; with ``name`` (a placed module's path, or a GraphModule's
@@ -336,14 +361,78 @@ class SomatizeStrategy(SingleDeviceStrategy):
                 for route in self.routes:
                     route.settle()
             self._tracer.write()  # the stopped workers' spans are gone with them
+        fitted = any(getattr(r, "fitting", False) for r in self.routes) and not self._broken
         for route in self.routes:
             route.close(pull=pull)  # where() stays readable after fit
+        if fitted:
+            self._say_where()
         if self._broken:
             self.close()  # a dead worker: nothing over there to keep a session for
         from ..remote._group import group
 
         group().drop_warm()  # started for a run that did not need them (refused, say)
         super().teardown()
+
+
+def _check_place(place: Any) -> None:
+    """Refuse ``place=`` that is not ``{submodule path: worker name}``, in one line."""
+    if place is None:
+        return
+    if not isinstance(place, Mapping):
+        raise Refused(
+            f"place= takes a dict {{submodule path: worker name}}, not a {type(place).__name__} "
+            f"({place!r}): SomatizeStrategy(place={{'body': 'worker'}}); on the Hydra line "
+            "'somatize.place={body: worker}'")
+    for path, host in place.items():
+        if not isinstance(path, str) or not isinstance(host, str):
+            raise Refused(
+                f"place={{{path!r}: {host!r}}}: each entry is a submodule path and a worker "
+                "name, both strings: place={'body': 'worker'}")
+
+
+def _check_workers(workers: Any) -> None:
+    """Refuse ``workers=`` that is not ``{worker name: Worker or "host:port"}``, in one line."""
+    if workers is None:
+        return
+    if not isinstance(workers, Mapping):
+        raise Refused(
+            f"workers= takes a dict {{worker name: Worker}}, not a {type(workers).__name__} "
+            f"({workers!r}): workers={{'worker': Worker.at('node3:7000')}}; on the Hydra "
+            "line 'somatize.workers={worker: \"node3:7000\"}'")
+    from ..remote import Worker
+
+    for name, w in workers.items():
+        if not isinstance(name, str) or not isinstance(w, (str, Worker)):
+            raise Refused(
+                f"workers={{{name!r}: {w!r}}}: each entry is a worker name and a Worker or "
+                "its address 'host:port' (quoted on the Hydra line): "
+                "workers={'worker': '127.0.0.1:7000'}")
+        if isinstance(w, str):
+            Worker.at(w)  # refuses an address that is not 'host:port', saying so
+
+
+def _refuse_unused_workers(workers: Mapping[str, Any] | None, place: Mapping[str, str],
+                           graph_modules: list) -> None:
+    """Refuse a ``workers=`` name that no placement uses (a typo would otherwise start an
+    embedded worker for the placement's name and say nothing), the near names beside it."""
+    if not workers:
+        return
+    used = set(place.values())
+    for gm in graph_modules:
+        used |= set(gm.graph.placement.workers())
+    unused = sorted(set(workers) - used)
+    if not unused:
+        return
+    import difflib
+
+    pairs = []
+    for name in unused:
+        near = difflib.get_close_matches(name, sorted(used - set(workers)), n=1, cutoff=0.5)
+        pairs.append(f"{name!r} (placement {near[0]!r}?)" if near else repr(name))
+    raise Refused(
+        f"workers= names {', '.join(pairs)}, which no placement uses (placed on: "
+        f"{', '.join(map(repr, sorted(used))) or 'nothing'}): name each worker as place= or "
+        ".at() does, e.g. place={'body': 'gpu'} with workers={'gpu': ...}")
 
 
 if "somatize" not in StrategyRegistry:

@@ -13,10 +13,12 @@ its ``PYTHONPATH``). Make a worker reachable only by whom you trust.
 """
 
 from ._forks import fork_workers
+from ._group import keep_workers
 from ._runtime import Runtime, release, runtime_for
 from ._settings import configure
 from ._torchrun import serve_if_worker
 from ._worker import Worker
 
-__all__ = ["Runtime", "Worker", "configure", "fork_workers", "release", "runtime_for",
+__all__ = ["Runtime", "Worker", "configure", "fork_workers", "keep_workers",
+           "release", "runtime_for",
            "serve_if_worker"]

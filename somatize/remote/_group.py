@@ -13,6 +13,7 @@ agent is started once, at first use, and shut down at interpreter exit. Settings
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import logging
 import os
@@ -79,6 +80,7 @@ class Group:
         self.lock = threading.RLock()
         self.runtimes: weakref.WeakSet = weakref.WeakSet()
         self.warm: list[subprocess.Popen] = []  # started early, waiting to be told to join
+        self.holds = 0  # keep_workers() blocks open: a worker nobody uses waits for the next
 
     # -- the agent ----------------------------------------------------------------
     def start(self) -> None:
@@ -255,8 +257,23 @@ class Group:
         """One runtime is done with ``p``; the last one stops it (torchrun ranks stay)."""
         with self.lock:
             p.users -= 1
-            if p.users <= 0 and p.kind != "torchrun":
+            if p.users <= 0 and p.kind != "torchrun" and not self.holds:
                 self.stop(p)
+
+    def hold(self) -> None:
+        """Keep the workers nobody uses running (and joined) until ``let_go``."""
+        with self.lock:
+            self.holds += 1
+
+    def let_go(self) -> None:
+        """The end of a ``hold``: the last one stops the workers nobody uses."""
+        with self.lock:
+            self.holds -= 1
+            if self.holds:
+                return
+            idle = [p for p in self.peers.values() if p.users <= 0 and p.kind != "torchrun"]
+        for p in idle:
+            self.stop(p)
 
     def kill(self, p: Peer, why: str) -> None:
         """Stop ``p`` now, waiting for nothing (Ctrl-C, or a call nobody will read):
@@ -353,3 +370,21 @@ def _threads_here() -> int:
     import torch
 
     return torch.get_num_threads()
+
+
+@contextlib.contextmanager
+def keep_workers():
+    """Keep each embedded or standing worker process running between the runs inside the
+    block: a ``trainer.test`` after ``trainer.fit`` takes the fit's worker (each run still
+    opens its own session over there) instead of starting one afresh.
+
+        with keep_workers():
+            trainer.fit(model, data)
+            trainer.test(model, data)   # the same worker process, no second start
+    """
+    g = group()
+    g.hold()
+    try:
+        yield
+    finally:
+        g.let_go()

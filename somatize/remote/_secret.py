@@ -50,10 +50,26 @@ def mac(key: bytes, *parts: bytes) -> bytes:
 
 
 def read_token_file(path: str) -> bytes:
-    """The token kept in ``path``; refused unless only its owner may read it."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    """The token kept in ``path``; refused unless only its owner may read it, and refused
+    in one line when it is missing, a symbolic link or not a regular file."""
+    make = (f"give {TOKEN_FILE_ENV} a copy of the worker's token file (its log names it: "
+            "~/.config/somatize/worker-NAME.token), a regular file of mode 0600")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise WorkerError(f"the token file {path} does not exist: {make}") from None
+    except OSError as e:
+        if os.path.islink(path):
+            raise WorkerError(f"the token file {path} is a symbolic link, which is not "
+                              f"followed (another user could point it elsewhere): {make}, "
+                              f"e.g. {os.path.realpath(path)}") from None
+        raise WorkerError(f"the token file {path} cannot be opened ({e.strerror}): "
+                          f"{make}") from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+            raise WorkerError(f"the token file {path} is {kind}: {make}")
         if stat.S_IMODE(st.st_mode) & 0o077:
             raise WorkerError(f"the token file {path} may be read by others (mode "
                               f"{stat.S_IMODE(st.st_mode):o}): chmod 600 {path}")

@@ -91,7 +91,8 @@ def keep_on_loopback(env: dict | None = None) -> None:
 
 
 # what a serving process starts with unless the environment says otherwise (_spawn.py)
-SERVING_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+SERVING_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "OMP_WAIT_POLICY": "PASSIVE",
+               "SOMATIZE_SERVING": "1"}  # its lines are its own: somatize._log
 
 
 def serving_env(env: dict[str, str]) -> dict[str, str]:

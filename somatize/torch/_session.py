@@ -22,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from .. import _holes
 from .._errors import Refused, WorkerError, check_workers
@@ -49,6 +49,19 @@ def lost_error(cause: str, resume: str) -> WorkerError:
         f"lost with their worker ({cause}), and the copy here is stale. {resume}")
 
 
+class Traffic(NamedTuple):
+    """What a run moved to and from its workers, so far (a tuple: ``waited, sent,
+    received = strategy.traffic()`` unpacks it).
+
+        t = trainer.strategy.traffic()
+        print(f"{t.waited:.2f} s waited, {t.sent} bytes sent, {t.received} received")
+    """
+
+    waited: float = 0.0  # seconds this process waited on workers
+    sent: int = 0  # bytes sent to them
+    received: int = 0  # bytes received from them
+
+
 class Account:
     """Which process ran each node (or placed module) of each part, and how often, under
     one lock: a pipeline's stages are answered on other threads."""
@@ -68,11 +81,20 @@ class Account:
             self._ran.setdefault(part, {}).setdefault(name, Counter())[pid] += times
 
     def count(self, part: str, pids: Mapping[Any, int], name_of=str) -> None:
-        """Add one run per entry of ``{what ran: pid}``, named by ``name_of(what)``."""
+        """Add one run per name of ``{what ran: pid}``, named by ``name_of(what)``: what
+        several entries name (the positions a trainer stands in around its node) is one
+        call, as the user counts it, in the process of the entry ``name_of`` ranks first
+        (``name_of(what) -> name`` or ``(name, rank)``)."""
+        calls: dict[str, tuple[Any, int]] = {}
+        for n, pid in pids.items():
+            got = name_of(n)
+            name, rank = got if isinstance(got, tuple) else (got, 0)
+            if name not in calls or rank < calls[name][0]:
+                calls[name] = (rank, pid)
         with self._lock:
             ran = self._ran.setdefault(part, {})
-            for n, pid in pids.items():
-                ran.setdefault(name_of(n), Counter())[pid] += 1
+            for name, (_, pid) in calls.items():
+                ran.setdefault(name, Counter())[pid] += 1
 
     def where(self) -> dict[str, dict[str, dict[int, int]]]:
         """``{part: {name: {pid: times}}}``, a copy."""
@@ -144,10 +166,10 @@ class Session:
         """Which processes ran each node of each part: ``{part: {node: {pid: times}}}``."""
         return self.account.where()
 
-    def traffic(self) -> tuple[float, int, int]:
+    def traffic(self) -> Traffic:
         """Seconds this process waited on workers, bytes sent, bytes received, so far."""
         got = [self._done, *(part.traffic() for part in self.parts.values())]
-        return (sum(g[0] for g in got), sum(g[1] for g in got), sum(g[2] for g in got))
+        return Traffic(sum(g[0] for g in got), sum(g[1] for g in got), sum(g[2] for g in got))
 
     def abort(self, why: str) -> None:
         """Stop every part's workers now, waiting for nothing (Ctrl-C)."""
@@ -219,12 +241,12 @@ class Part:
         """Which processes ran each node of this part: ``{node: {pid: times}}``."""
         return self.session.where().get(self.name, {})
 
-    def traffic(self) -> tuple[float, int, int]:
+    def traffic(self) -> Traffic:
         """Seconds waited on this part's workers, bytes sent, bytes received, so far."""
         runtime = self.runtime
         if runtime is None:
-            return (0.0, 0, 0)
-        return (runtime.waited, runtime.sent, runtime.received)
+            return Traffic()
+        return Traffic(runtime.waited, runtime.sent, runtime.received)
 
     @property
     def closed(self) -> bool:

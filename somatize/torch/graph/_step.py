@@ -26,7 +26,7 @@ import torch
 from ..._engine import Outcome, output, walk
 from ..._errors import NoGradient, Refused, check_workers
 from ..._graph import Graph
-from ..._learning import IN, Envelope, Learning, Position, around, node_of
+from ..._learning import COMPUTES, IN, Envelope, Learning, Position, around, node_of
 from ..._memory import params_of
 from ..._naming import naming
 from ..._stages import stages
@@ -217,7 +217,7 @@ class Step:
         self.part.follow_math()
 
     def _count(self, out: Outcome) -> None:
-        self.part.count(out.pids, node_of)
+        self.part.count(out.pids, _called)
 
     def where(self) -> dict[str, dict[int, int]]:
         """Which processes ran each node, and how often: ``{node: {pid: times}}``."""
@@ -395,3 +395,9 @@ def _plus(a: Any, b: Any) -> Any:
     if a is None:
         return b
     return a if b is None else a + b
+
+
+def _called(n: Any) -> tuple[str, int]:
+    """The user's node an id of the trained graph is a call of, the trainer's compute
+    ranked first: a trained node is counted once per call, where it computed."""
+    return node_of(n), 0 if type(n) is Position and n.at == COMPUTES else 1
