@@ -13,7 +13,7 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("P
 
 CHECK = """
 import os
-ran = trainer.strategy.where()[""]["backbone"]
+ran = trainer.strategy.where()["backbone"]
 assert ran and os.getpid() not in ran, ran
 print("backbone ran in", sorted(ran), "cache", cache.hits, cache.misses)
 """
@@ -30,3 +30,13 @@ def test_the_readmes_first_example_places_the_backbone_then_reads_it_from_the_st
     # 512 rows a epoch, shuffled, 3 epochs, kept per item: each row computed once, then read
     assert "cache 1024 512" in done.stdout, out[-3000:]
     assert any((tmp_path / ".soma" / "items").iterdir())
+    # a plain script, no logging set up: somatize says where the backbone ran and what the
+    # cache read back, once each, in its own lines (not in the progress bar's)
+    [pid] = re.findall(r"backbone ran in \[(\d+)\]", done.stdout)
+    lines = done.stderr.splitlines()
+    said = [s for s in lines if s.startswith("module 'backbone' ran in")]
+    assert said == [f"module 'backbone' ran in process {pid} (worker 'worker') 16 times"], said
+    hits = [s for s in lines if s.startswith("SomatizeCache:")]
+    assert hits == ["SomatizeCache: modules ['backbone'] computed their output for 512 items "
+                    "and read it from the store .soma for 1024"], hits
+    assert "in eval mode at the start of training" not in done.stderr  # the cache's, said
