@@ -145,25 +145,37 @@ def devices(out):
                 "said": said}, out)
 
 
-def gpu(out):
-    """On a machine with a GPU (scripts/gpu_check.sh): the local half on cuda:0, the encoder
-    on a worker on cuda:0, under 32-true, bf16-mixed and 16-mixed: equal to plain?"""
+def gpu(out, device="cuda:0"):
+    """On a machine with a GPU (scripts/gpu_check.sh): the local half on ``device``, the
+    encoder on a worker on ``device``, under 32-true, bf16-mixed and 16-mixed: equal to
+    plain? ``cpu`` (its --dry-run): 32-true alone, one epoch of a few batches."""
     from somatize.remote import Worker
 
     report = {}
-    for precision in ("32-true", "bf16-mixed", "16-mixed"):
-        kw = {"accelerator": "gpu", "devices": 1, "precision": precision, "max_epochs": 1}
+    cuda = device.startswith("cuda")
+    try:
+        data = digits() if cuda else digits(n=64)
+    except ImportError:  # the GPU machine has no scikit-learn: 64-pixel rows of noise
+        import torch.utils.data as tud
+
+        x = torch.rand(96, 64, generator=torch.Generator().manual_seed(0))
+        data = tud.DataLoader(tud.TensorDataset(x), batch_size=16)
+    for precision in ("32-true", "bf16-mixed", "16-mixed") if cuda else ("32-true",):
+        kw = {"accelerator": "gpu" if cuda else "cpu", "devices": 1, "precision": precision,
+              "max_epochs": 1}
         pl.seed_everything(0)
-        _, plain_losses, plain = fit(PlainAutoEncoder(), "auto", digits(), **kw)
+        _, plain_losses, plain = fit(PlainAutoEncoder(), "auto", data, **kw)
         pl.seed_everything(0)
         strategy = SomatizeStrategy(place={"encoder": "worker"},
-                                    workers={"worker": Worker.embedded(device="cuda:0")})
-        _, split_losses, split = fit(PlainAutoEncoder(), strategy, digits(), **kw)
+                                    workers={"worker": Worker.embedded(device=device)})
+        _, split_losses, split = fit(PlainAutoEncoder(), strategy, data, **kw)
         same = all(torch.equal(plain[k].cpu(), split[k].cpu()) for k in plain)
         report[precision] = {"losses equal": split_losses == plain_losses,
                              "weights equal": same}
         print(precision, report[precision], flush=True)
     torch.save(report, out)
+    if not all(all(r.values()) for r in report.values()):
+        raise SystemExit(f"not equal to plain Lightning on {device}: {report}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,126 @@
+"""The steps of ``scripts/gpu_check.sh`` (run it, not this): each in its own process with
+its own time limit, each one's figures appended to one file, a summary line per step.
+
+    python scripts/gpu_check.py --out gpu_check.txt [--dry-run]
+
+``--dry-run``: on CPU, the same steps small (the device maps need CUDA: said, not run).
+Exit 0 when every step passed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HERE = str(Path(__file__).resolve())
+
+ENVIRONMENT = r"""
+import importlib, platform, sys
+import torch
+print("python", platform.python_version(), "torch", torch.__version__,
+      "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
+      *(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))
+major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+assert (major, minor) >= (2, 11), f"torch {torch.__version__}: this check needs 2.11 or later"
+if (major, minor) < (2, 13):
+    print(f"torch {torch.__version__} accepted for this run (the project asks 2.13)")
+for name in ("lightning", "safetensors", "cloudpickle", "tqdm", "numpy", "blake3"):
+    m = importlib.import_module(name)
+    print(name, getattr(m, "__version__", "?"), "(stand-in)" if "gpu_shim" in
+          (getattr(m, "__file__", "") or "") else "")
+import somatize.lightning  # the package imports on what is here
+"""
+
+# tests/test_private.py's pins, without pytest where it is not installed
+PRIVATE = r"""
+import contextlib, inspect, re, sys, tempfile, types
+from pathlib import Path
+try:
+    import pytest
+except ImportError:
+    pytest = types.ModuleType("pytest")
+    @contextlib.contextmanager
+    def raises(kind, match=None):
+        try:
+            yield
+        except kind as e:
+            assert match is None or re.search(match, str(e)), (match, str(e))
+        else:
+            raise AssertionError(f"did not raise {kind}")
+    pytest.raises = raises
+    pytest.fixture = lambda *a, **k: (a[0] if a and callable(a[0]) else (lambda f: f))
+    sys.modules["pytest"] = pytest
+import test_private as t
+failed = 0
+for name, fn in vars(t).items():
+    if not name.startswith("test_") or not callable(fn):
+        continue
+    args = {p: Path(tempfile.mkdtemp()) for p in inspect.signature(fn).parameters}
+    try:
+        fn(**args)
+        print("ok", name)
+    except Exception as e:
+        failed += 1
+        print("FAILED", name, type(e).__name__, str(e)[:300])
+sys.exit(1 if failed else 0)
+"""
+
+
+def step(report, title: str, argv: list[str], limit: float) -> bool:
+    """Run one step as its own process; its output and outcome go into the report."""
+    t = time.monotonic()
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=limit, cwd=ROOT)
+        text, ok = done.stdout + done.stderr, done.returncode == 0
+        why = "" if ok else f"exit {done.returncode}"
+    except subprocess.TimeoutExpired as e:
+        text = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(
+            errors="replace")
+        ok, why = False, f"over its {limit:.0f} s"
+    took = time.monotonic() - t
+    line = f"== {title}: {'ok' if ok else 'FAILED ' + why} ({took:.1f} s)"
+    print(line, flush=True)
+    report.write(f"{line}\n{text.rstrip()}\n\n")
+    report.flush()
+    if not ok:
+        print(text[-2000:], flush=True)
+    return ok
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", required=True, help="the file the figures go to")
+    ap.add_argument("--dry-run", action="store_true", help="on CPU, small")
+    args = ap.parse_args()
+    py, dry = sys.executable, args.dry_run
+    device = "cpu" if dry else "cuda:0"
+    results = []
+    with open(args.out, "w") as report:
+        report.write(f"gpu_check {'--dry-run ' if dry else ''}at {time.ctime()}, "
+                     f"{os.uname().nodename}\n\n")
+        steps = [
+            ("0. what this python holds", [py, "-c", ENVIRONMENT], 45),
+            ("1. private names (tests/test_private.py)", [py, "-c", PRIVATE], 90),
+            (f"2. TensorPipe on {device}", [py, "scripts/gpu_tensorpipe.py", device], 90),
+            (f"3. drop-in on {device} ({'32-true' if dry else '32-true, bf16-mixed, 16-mixed'})",
+             [py, "tests/dropin_precision_runs.py", "gpu", os.devnull, device], 150),
+            ("4. bench_split", [py, "scripts/bench_split.py", "--repeats",
+                                "1" if dry else "3", "--steps", "1" if dry else "10"], 90),
+        ]
+        for title, argv, limit in steps:
+            results.append(step(report, title, argv, limit))
+            if not results[0]:
+                break  # nothing else runs on a python that lacks what is needed
+        said = f"{sum(results)} of {len(steps)} steps passed"
+        report.write(said + "\n")
+    print(said, "; figures in", args.out)
+    return 0 if all(results) and len(results) == len(steps) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
