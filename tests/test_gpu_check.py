@@ -34,7 +34,7 @@ def test_the_gpu_check_runs_its_five_steps_on_cpu_and_writes_their_figures_to_on
 def test_the_blake3_stand_in_answers_what_somatize_asks_of_blake3():
     sys.path.insert(0, str(ROOT / "scripts" / "gpu_shim"))
     try:
-        import importlib
+        import importlib.util
 
         shim = importlib.import_module("blake3")
         if "gpu_shim" not in shim.__file__:  # the real one was imported first: load ours

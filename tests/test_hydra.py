@@ -105,3 +105,78 @@ def test_python_train_py_keeps_the_placed_bodys_outputs_over_there(tmp_path):
                       r"items and read it from the store for (\d+) \(per item\)", out)
     assert found and int(found.group(1)) >= 1 and int(found.group(2)) >= 1, out[-3000:]
     assert any((tmp_path / "store" / "items").rglob("packs/*.safetensors"))
+
+
+def test_train_py_reaches_a_standing_worker_on_another_host_with_its_token(hosts, tmp_path):
+    """The cross-machine line of docs/lightning.md: the coordinator on host a listens on
+    its address (somatize.listen), the body runs on the standing worker on host b
+    (somatize.workers), which serves only the holder of its token (somatize.token_file)."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from remote_run import env
+
+    a, b = hosts["a"], hosts["b"]
+    home = tmp_path / "b-home"
+    bare = {k: v for k, v in env().items() if k != "SOMATIZE_TOKEN"}  # tokens by file here
+    log = tmp_path / "daemon.log"
+    with open(log, "w") as out:
+        daemon = b.popen([sys.executable, "-m", "somatize.worker", "--name", "gpu", "--listen",
+                          f"{b.addr}:7000"], env={**bare, "XDG_CONFIG_HOME": str(home)},
+                         stdout=out, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "listening on" not in log.read_text():
+            assert daemon.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        token = tmp_path / "gpu.token"  # the copy the coordinator holds, mode 0600
+        shutil.copy(home / "somatize" / "worker-gpu.token", token)
+        token.chmod(0o600)
+        line = ["+somatize=split", "somatize.place.body=gpu", f"somatize.listen={a.addr}",
+                f'somatize.workers={{gpu: "{b.addr}:7000"}}', "trainer.max_epochs=1",
+                "data.limit=64", f"hydra.run.dir={tmp_path / 'run'}"]
+        done = a.run([sys.executable, str(ROOT / "train.py"), *line,
+                      f"somatize.token_file={token}"], timeout=240, env=bare, cwd=tmp_path)
+        out = done.stdout + done.stderr
+        assert done.returncode == 0, out[-4000:]
+        body = pid_of(out, "body", "worker 'gpu'")
+        assert body != pid_of(out, "head") and "accuracy on held-out digits" in out
+        assert log.read_text().count("run joined: serving process pid") == 1, log.read_text()
+        # a link for the token: refused in one line that says what to give, no traceback
+        link = tmp_path / "link.token"
+        link.symlink_to(token)
+        done = a.run([sys.executable, str(ROOT / "train.py"), *line,
+                      f"somatize.token_file={link}"], timeout=240, env=bare, cwd=tmp_path)
+        said = done.stdout + done.stderr
+        assert done.returncode == 1 and "Traceback" not in said, said[-3000:]
+        [refusal] = [s for s in said.splitlines() if "token file" in s]
+        assert f"the token file {link} is a symbolic link" in refusal, said[-3000:]
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=30)
+
+
+def test_a_token_file_missing_a_link_or_a_directory_is_refused_in_one_line_naming_it(tmp_path):
+    from somatize import WorkerError
+    from somatize.remote._secret import read_token_file
+
+    real = tmp_path / "real.token"
+    real.write_text("0" * 64)
+    real.chmod(0o600)
+    (tmp_path / "link.token").symlink_to(real)
+    (tmp_path / "dir.token").mkdir()
+    for name, says in [("gone.token", "does not exist"), ("link.token", "is a symbolic link"),
+                       ("dir.token", "is a directory")]:
+        path = tmp_path / name
+        try:
+            read_token_file(str(path))
+        except WorkerError as e:
+            said = str(e)
+        else:
+            raise AssertionError(f"{name} was read")
+        assert "\n" not in said and said.startswith(f"the token file {path} {says}: give "
+                                                    "SOMATIZE_TOKEN_FILE"), said
+    assert read_token_file(str(real)) == b"0" * 64
