@@ -1,12 +1,14 @@
 """``somatize show``: print and draw the graph a script or module builds.
 
     somatize show my_model.py --svg graph.svg
+    somatize show examples/digits_graph.py     # digits_graph() -> Graph, with its defaults
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import runpy
 import sys
 from pathlib import Path
@@ -17,13 +19,22 @@ from ._graph import Graph
 
 
 def _find_graph(namespace: dict, where: str):
+    """The first Graph at module level; else what the first function of that module
+    annotated ``-> Graph`` builds, called with its defaults."""
     graphs = [(k, v) for k, v in namespace.items() if isinstance(v, Graph)]
-    if not graphs:
-        raise SomatizeError(
-            f"{where} defines no somatize.Graph at module level: build one there, e.g. "
-            "`g = Graph.somatize(Body() >> Head())`"
-        )
-    return graphs[0][1]
+    if graphs:
+        return graphs[0][1]
+    for v in namespace.values():
+        if (inspect.isfunction(v) and v.__module__ == namespace.get("__name__")
+                and inspect.signature(v).return_annotation in (Graph, "Graph")
+                and all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                        for p in inspect.signature(v).parameters.values())):
+            return v()
+    raise SomatizeError(
+        f"{where} defines no somatize.Graph at module level, nor a function annotated "
+        "`-> Graph` that needs no arguments: build one there, e.g. "
+        "`g = Graph.somatize(Body() >> Head())`"
+    )
 
 
 def show_main(argv: list[str]) -> int:
