@@ -1,5 +1,5 @@
-"""`pip install .` ships the library alone: the wheel, built here from a copy of the
-repository (no network, no build isolation), holds `somatize` and nothing of the example
+"""`pip install .` (the distribution somatize-torch) ships the library alone: the wheel,
+built here from a copy of the repository (no network, no build isolation), holds `somatize` and nothing of the example
 (`examples/`, `train.py`, `configs/`), and only the `examples` extra asks for what the
 example needs (Hydra, scikit-learn)."""
 
@@ -29,6 +29,13 @@ def test_the_wheel_holds_the_library_and_none_of_the_example(tmp_path):
     assert "somatize/lightning/__init__.py" in names and "somatize/py.typed" in names
     assert not [n for n in names if "digits" in n or "examples" in n], names
     meta = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("/METADATA")))
+    # the distribution's name is free on the index ("somatize" is another project's), and
+    # its version is the one the package says (somatize --version)
+    import somatize
+
+    head = dict(line.split(": ", 1) for line in meta.decode().splitlines()[:3] if ": " in line)
+    assert head["Name"] == "somatize-torch" and head["Version"] == somatize.__version__, head
+    assert wheel.name.startswith(f"somatize_torch-{somatize.__version__}-")
     for dep in ["scikit-learn", "hydra-core"]:
         asked = [line for line in meta.decode().splitlines()
                  if line.startswith(f"Requires-Dist: {dep}")]
