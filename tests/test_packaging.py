@@ -1,7 +1,7 @@
 """`pip install .` (the distribution somatize-torch) ships the library alone: the wheel,
-built here from a copy of the repository (no network, no build isolation), holds `somatize` and nothing of the example
-(`examples/`, `train.py`, `configs/`), and only the `examples` extra asks for what the
-example needs (Hydra, scikit-learn)."""
+built here from a copy of the repository (no network, no build isolation), holds
+`somatize` and nothing of the example (`examples/`, `train.py`, `configs/`), and only the
+`examples` extra asks for what the example needs (Hydra, scikit-learn)."""
 
 import shutil
 import subprocess
