@@ -180,3 +180,17 @@ def test_a_token_file_missing_a_link_or_a_directory_is_refused_in_one_line_namin
         assert "\n" not in said and said.startswith(f"the token file {path} {says}: give "
                                                     "SOMATIZE_TOKEN_FILE"), said
     assert read_token_file(str(real)) == b"0" * 64
+
+
+def test_the_commands_the_cli_names_run_its_version_and_errors_are_one_line(capsys, tmp_path):
+    import somatize
+    from somatize._cli import USAGE, main
+
+    assert main(["show", str(ROOT / "examples" / "digits_graph.py")]) == 0  # its docstring's
+    assert "body  Body   worker" in capsys.readouterr().out
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"somatize {somatize.__version__}\n"
+    assert "store {ls,du,verify,gc,drop}" in USAGE
+    assert main(["show", str(tmp_path / "gone.py")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "gone.py: No such file or directory" in err, err
