@@ -59,3 +59,10 @@ class NoGradient(SomatizeError):
 
 class StoreError(SomatizeError):
     """A store could not be opened or used as asked."""
+
+
+# a traceback names them as the user imports them: somatize.Refused, not somatize._errors.Refused
+for _cls in (SomatizeError, GraphError, ContractError, MissingInput, Refused, NotSettled, Lost,
+             WorkerError, NoGradient, StoreError):
+    _cls.__module__ = "somatize"
+del _cls
