@@ -101,8 +101,8 @@ def test_python_train_py_keeps_the_placed_bodys_outputs_over_there(tmp_path):
                 "test=false")
     assert pid_of(out, "body", "worker 'worker'") != pid_of(out, "head")
     # the validation items kept during the sanity check were read back at epoch end
-    found = re.search(r"module 'body' was called in .*; it computed its output for (\d+) "
-                      r"items and read it from the store for (\d+) \(per item\)", out)
+    found = re.search(r"SomatizeCache: modules \['body'\] computed their output for (\d+) "
+                      r"items and read it from the store \S+ for (\d+)", out)
     assert found and int(found.group(1)) >= 1 and int(found.group(2)) >= 1, out[-3000:]
     assert any((tmp_path / "store" / "items").rglob("packs/*.safetensors"))
 
