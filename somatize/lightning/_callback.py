@@ -102,6 +102,7 @@ class SomatizeCache(pl.Callback):
                  salt: str | None = None, per_item: bool = False):
         self.store = store
         self.modules = list(modules)
+        self._said_frozen = False
         self.salt = salt
         self.per_item = per_item
         self.stages = StageCounts()  # hits and misses by stage (train, val, test, predict)
@@ -167,7 +168,8 @@ class SomatizeCache(pl.Callback):
                 self.cached[path] = _forward_class(self.per_item)(
                     module, path, self.store, previous=have, salt=self.salt)
                 module.forward = self.cached[path]  # an instance attribute: it pickles along
-        if self.cached:
+        if self.cached and not self._said_frozen:  # once: a test after the fit says nothing new
+            self._said_frozen = True
             log.info("modules %s are frozen; their outputs are kept in %s", sorted(self.cached),
                      self.store)
 
