@@ -65,11 +65,12 @@ def read_token_file(path: str) -> bytes:
                               f"e.g. {os.path.realpath(path)}") from None
         raise WorkerError(f"the token file {path} cannot be opened ({e.strerror}): "
                           f"{make}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise WorkerError(f"the token file {path} is {kind}: {make}")
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file"
-            raise WorkerError(f"the token file {path} is {kind}: {make}")
         if stat.S_IMODE(st.st_mode) & 0o077:
             raise WorkerError(f"the token file {path} may be read by others (mode "
                               f"{stat.S_IMODE(st.st_mode):o}): chmod 600 {path}")
