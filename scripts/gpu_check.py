@@ -110,7 +110,7 @@ def main() -> int:
             (f"3. drop-in on {device} ({'32-true' if dry else '32-true, bf16-mixed, 16-mixed'})",
              [py, "tests/dropin_precision_runs.py", "gpu", os.devnull, device], 150),
             ("4. bench_split", [py, "scripts/bench_split.py", "--repeats",
-                                "1" if dry else "3", "--steps", "1" if dry else "10"], 90),
+                                "1" if dry else "3", "--steps", "2" if dry else "10"], 90),
         ]
         for title, argv, limit in steps:
             results.append(step(report, title, argv, limit * (2.5 if dry else 1)))
