@@ -316,7 +316,7 @@ class SomatizeCache(pl.Callback):
         """Where the module runs: read here, or over there through the strategy."""
         strategy = self._trainer.strategy if self._trainer is not None else None
         where = _placed_on(getattr(strategy, "place", None) or {}, path)
-        session = strategy.session(where[1]) if where is not None else None
+        session = strategy.part(where[1]) if where is not None else None
         if session is None:
             return cached.hits, cached.misses
         host, placed = where

@@ -28,7 +28,7 @@ from lightning.pytorch.strategies import SingleDeviceStrategy, StrategyRegistry
 from typing_extensions import override
 
 from .. import _trace
-from .._errors import WorkerError
+from .._errors import Refused, WorkerError
 from .._trace import span
 from ..torch._session import Session, lost_error, refuse_devices
 from ..torch._tracer import Tracer
@@ -64,7 +64,9 @@ class SomatizeStrategy(SingleDeviceStrategy):
         workers: ``{host: Worker}`` (``Worker.at("node3:7000")`` for a standing worker,
             ``Worker.embedded(store=...)`` for one that keeps what it runs); hosts not
             given get an embedded worker, or under torchrun the rank that serves them.
-        store: unused here; give a store to ``SomatizeCache``.
+        store: a directory the embedded workers keep what they run in (a graph node's
+            remembered values over there); a worker given in ``workers=`` keeps its own.
+            The cache of a LightningModule's own modules is ``SomatizeCache(store)``.
         trace: a path: write a Chrome trace-event file of the run there (Perfetto,
             chrome://tracing): one lane per process, spans for each forward and backward,
             transfer (with its bytes), optimizer step and wait; written at teardown.
@@ -83,7 +85,11 @@ class SomatizeStrategy(SingleDeviceStrategy):
         self.trains = dict(trains or {})
         self.workers = dict(workers) if workers else None
         self._warm_up([])
-        self.store = store
+        if store is not None and not isinstance(store, (str, os.PathLike)):
+            raise Refused(f"SomatizeStrategy(store={type(store).__name__}): the embedded "
+                          "workers are other processes and open a store by its directory: "
+                          "give a path (str or pathlib.Path)")
+        self.store = None if store is None else os.fspath(store)
         self.routes: list[Route] = []
         self._session: Session | None = None  # the fit's (kept after it: where(), traffic())
         self._broken = self._interrupted = False
@@ -92,6 +98,19 @@ class SomatizeStrategy(SingleDeviceStrategy):
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         self._warm_up(graph_modules(model))
+
+    def _workers_of(self, model: pl.LightningModule) -> dict | None:
+        """``workers=``, with an embedded worker keeping ``store=`` for each host the fit
+        places work on that it does not name."""
+        if self.store is None:
+            return self.workers
+        from ..remote import Worker
+
+        hosts = set(self.place.values())
+        for gm in graph_modules(model):
+            hosts |= set(gm.graph.placement.workers())
+        given = dict(self.workers or {})
+        return {**{h: Worker.embedded(store=self.store) for h in sorted(hosts)}, **given}
 
     def _warm_up(self, graph_modules: list) -> None:
         # the embedded workers' processes start as soon as their hosts are known (when
@@ -160,7 +179,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
         refuse_unknown(self.trains, GraphRoute.names(self, model), self.place)
         # the new session first: the worker processes of the old one are reused
         last, self._session = self._session, Session(
-            workers=self.workers, restart="run the fit again (it starts fresh workers)")
+            workers=self._workers_of(model),
+            restart="run the fit again (it starts fresh workers)")
         try:
             for kind in ROUTES:
                 mine = {n: t for n, t in self.trains.items() if n in names[kind]}
@@ -200,12 +220,20 @@ class SomatizeStrategy(SingleDeviceStrategy):
         return (0.0, 0, 0) if self._session is None else self._session.traffic()
 
     def session(self, name: str | None = None) -> Any:
-        """The fit's ``Session``; with ``name`` (a placed module's path, or a GraphModule's
-        name in the LightningModule) the part of it that runs ``name``:
-        ``session(name).call(host, fn, *args)`` runs ``fn(live_graph, *args)`` over there.
-        None when nothing placed runs it (or the fit's run over there is over)."""
-        if name is None or self._session is None:
-            return self._session
+        """The fit's ``Session`` (every part over there, its traffic and where it ran),
+        None before the fit. A part by name is ``part(name)``."""
+        if name is not None:
+            raise TypeError(f"session({name!r}): a part of the session is "
+                            f"strategy.part({name!r}); session() is the whole fit's")
+        return self._session
+
+    def part(self, name: str) -> Any:
+        """The part of the fit's session that runs ``name`` (a placed module's path, or a
+        GraphModule's name in the LightningModule): ``part(name).call(host, fn, *args)``
+        runs ``fn(live_graph, *args)`` over there. None when nothing placed runs it (or
+        the fit's run over there is over)."""
+        if self._session is None:
+            return None
         for route in self.routes:
             part = route.part_of(name)
             if part is not None:
