@@ -41,7 +41,7 @@ import bench_dropin  # noqa: E402
 def worker_pid(trainer: pl.Trainer) -> int:
     strategy = trainer.strategy
     if hasattr(strategy, "session"):
-        return strategy.session("encoder").runtime.peers["worker"].pid
+        return strategy.part("encoder").runtime.peers["worker"].pid
     return strategy.dropin.step.runtime.peers["worker"].pid  # a checkout before routes
 
 
