@@ -15,7 +15,7 @@ BATCH = 8
 class Trunk(nn.Module):
     """The shared module (the hub imports it as tests.fed_models:Trunk)."""
 
-    def __init__(self, width: int = 8, p: float = 0.0):
+    def __init__(self, width: int = 128, p: float = 0.0):
         super().__init__()
         self.net = nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Dropout(p),
                                  nn.Linear(width, width))
@@ -27,11 +27,11 @@ class Trunk(nn.Module):
 class Net(pl.LightningModule):
     """An owner's whole model; its trunk here is what the hub's starts as."""
 
-    def __init__(self, p: float = 0.0, lr: float = 0.1):
+    def __init__(self, p: float = 0.0, lr: float = 0.1, width: int = 128):
         super().__init__()
-        self.stem = nn.Linear(4, 8)
-        self.trunk = Trunk(8, p)
-        self.head = nn.Linear(8, 3)
+        self.stem = nn.Linear(4, width)
+        self.trunk = Trunk(width, p)
+        self.head = nn.Linear(width, 3)
         self.lr = lr
 
     def training_step(self, batch, batch_idx):
@@ -59,6 +59,7 @@ def owner_seed(owner: str) -> int:
 
 def make_net(study_cfg) -> Net:
     """An owner's model for a study: its trunk starts as the hub's does."""
-    net = Net(p=float(study_cfg.kwargs.get("p", 0.0)))
+    net = Net(p=float(study_cfg.kwargs.get("p", 0.0)),
+              width=int(study_cfg.kwargs.get("width", 128)))
     net.trunk.load_state_dict(study_cfg.build_module().state_dict())
     return net
