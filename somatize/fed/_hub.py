@@ -75,7 +75,8 @@ class StudyHub:
         self.turn: tuple[str, float] | None = None
         self.last_turn: str | None = None
         self.free_since = time.monotonic()
-        self.round_open = time.monotonic()
+        self.round_open: float | None = None  # when the round's first turn was asked
+        self.started = False  # a turn was taken this round
 
     def _module(self, owner: str) -> torch.nn.Module:
         if not self.v1:
@@ -256,6 +257,8 @@ class StudyHub:
 
     def _take_turn(self, owner: str) -> None:
         deadline = time.monotonic() + self.cfg.round_timeout
+        if self.round_open is None:
+            self.round_open = time.monotonic()
         while True:
             self._expire()
             if owner in self.gone:
@@ -266,6 +269,8 @@ class StudyHub:
                 if missing and time.monotonic() - self.round_open < self.cfg.round_timeout:
                     self.cond.wait(0.05)  # a fixed order starts with every owner there
                     continue
+                if not self.started:  # the first turn's owner has turn_timeout from now
+                    self.started, self.free_since = True, time.monotonic()
             if self.turn is None:
                 nxt = self._next(owner)
                 if nxt == owner:
