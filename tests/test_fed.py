@@ -126,3 +126,21 @@ def test_v2_depends_on_the_order_and_replay_follows_the_ledger():
                                             "kwargs": {"p": 0.5}}),
                           {o: len(owner_loader(o)) for o in "abc"}, 1), owners, cfg, seeds=seeds)
     assert not all(torch.equal(rr.trunk[k], v) for k, v in seq.trunk.items())
+
+
+def test_the_hydra_option_makes_this_process_an_owner_of_the_study(tmp_path):
+    from hydra.utils import instantiate
+    from test_hydra import config
+
+    from somatize.fed import Shared
+
+    (tmp_path / "s.toml").write_text('name = "s"\nowners = ["a", "b"]\n'
+                                     'module = "fed_models:Trunk"\n')
+    cfg = config("+somatize=splitfed", f"somatize.study.config={tmp_path / 's.toml'}",
+                 "somatize.study.hub=127.0.0.1:7443", "somatize.study.owner=b",
+                 "somatize.study.identity=b.pem", "somatize.study.ca=ca.pem")
+    strategy = instantiate(cfg.trainer.strategy)
+    assert list(strategy.shared) == ["body"] and strategy.place == {}
+    (shared,) = strategy.shared.values()
+    assert isinstance(shared, Shared) and shared.study.owner == "b"
+    assert shared.study.config.owners == ("a", "b")

@@ -14,7 +14,7 @@ from ._frames import FrameError
 from ._link import HubRefused
 from ._replay import Run, load_round, replay, schedule, simulate
 from ._seeds import generator_seed
-from ._study import Shared, Study
+from ._study import Shared, Study, shared_place
 
 __all__ = ["FrameError", "HubRefused", "Run", "Shared", "Study", "StudyConfig", "average",
-           "generator_seed", "load_round", "replay", "schedule", "simulate"]
+           "generator_seed", "load_round", "replay", "schedule", "shared_place", "simulate"]

@@ -67,3 +67,11 @@ class Study:
 
     def __repr__(self) -> str:
         return f"Study({self.name!r}, hub={self.hub!r}, owner={self.owner!r})"
+
+
+def shared_place(path: str, config: Any, hub: str, owner: str, identity: str | Path,
+                 ca: str | Path, hub_name: str = "hub", timeout: float = 30.0
+                 ) -> dict[str, Shared]:
+    """``{path: Study(...).shared}``: what ``place=`` takes, for a config system that
+    cannot build the study first (``configs/somatize/splitfed.yaml``)."""
+    return {path: Study(config, hub, owner, identity, ca, hub_name, timeout).shared}
