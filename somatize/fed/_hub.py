@@ -230,20 +230,24 @@ class StudyHub:
                 if o not in self.arrived and o not in self.gone]
 
     def _expire(self) -> None:
+        """A step in flight whose Backward did not come within turn_timeout is discarded
+        (no optimizer step ran) and its owner left out: lost, or too slow."""
         now = time.monotonic()
-        if self.turn is not None and now - self.turn[1] > self.cfg.turn_timeout:
-            owner = self.turn[0]
-            got = self.pending.pop(owner, None)
-            self.ledger.append({"round": self.round, "owner": owner,
-                                "step": got[0] if got else self.steps[owner],
+        for owner, (step, _, _, since) in list(self.pending.items()):
+            if now - since <= self.cfg.turn_timeout:
+                continue
+            del self.pending[owner]
+            self.ledger.append({"round": self.round, "owner": owner, "step": step,
                                 "kind": "discarded", "why": "turn_timeout"})
-            log.warning("study %s: owner %r's step in flight is discarded (no Backward "
-                        "within %ss); no optimizer step ran", self.cfg.name, owner,
+            log.warning("study %s: owner %r's step %d in flight is discarded (no Backward "
+                        "within %ss); no optimizer step ran", self.cfg.name, owner, step,
                         self.cfg.turn_timeout)
             with self.compute:
                 self._opt(owner).zero_grad(set_to_none=True)
             self.gone.add(owner)
-            self.turn, self.free_since = None, now
+            if self.turn is not None and self.turn[0] == owner:
+                self.turn = None
+            self.free_since = now
             self.cond.notify_all()
 
     def _next(self, waiting: str) -> str | None:
@@ -299,8 +303,7 @@ class StudyHub:
                 self.first_arrival = time.monotonic()
             self.cond.notify_all()
             while r not in self.answer:
-                if not self.v1:
-                    self._expire()
+                self._expire()
                 waiting = [o for o in self.cfg.owners
                            if o not in self.arrived and o not in self.gone]
                 late = time.monotonic() - self.first_arrival > self.cfg.round_timeout
