@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: somatize {show,store,worker} ...
+USAGE = """usage: somatize {show,store,worker,hub,fed} ...
 
   show PATH|MODULE [--dot FILE] [--svg FILE] [--png FILE]
                         print a graph built by a script or module, and draw it
@@ -17,6 +17,10 @@ USAGE = """usage: somatize {show,store,worker} ...
                         look inside a store
   worker --name NAME --listen HOST:PORT [--store PATH] [--keepalive S]
                         serve as a standing worker
+  hub --study FILE --listen HOST:PORT --identity PEM --ca PEM [--checkpoints DIR]
+                        serve studies' shared modules to their data owners
+  fed {ca DIR, cert DIR NAME...}
+                        a study's certificate authority and its parties' certificates
 """
 
 
@@ -38,6 +42,10 @@ def main(argv: list[str] | None = None) -> int:
         from .worker import main as worker_main
 
         return worker_main(rest)
+    if cmd in ("hub", "fed"):
+        from .fed._cli import fed_main, hub_main
+
+        return (hub_main if cmd == "hub" else fed_main)(rest)
     print(f"somatize: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -19,7 +19,8 @@ hosts = pytest.fixture(_hosts.fixture, name="hosts")  # network namespaces (test
 # is left running a long file alone at the end (`--durations=0` says which these are)
 FIRST = ["test_remote.py", "test_placed_optimizers.py", "test_dropin.py", "test_secret.py",
          "test_microbatches_remote.py", "test_hosts.py", "test_remote_reliability.py",
-         "test_lightning_split.py", "test_main_job.py"]
+         "test_lightning_split.py", "test_main_job.py", "test_fed_study.py",
+         "test_fed_hosts.py"]
 
 
 # the files whose tests start processes (workers, scenarios, scripts, torchrun); the

@@ -40,10 +40,11 @@ from ._launcher import _ServingLauncher
 from ._placed_route import PlacedRoute
 from ._private import devices_asked, parallel_devices, set_launcher, set_root_device
 from ._route import Route
+from ._study_route import StudyRoute
 
 log = logging.getLogger(__name__)
 
-ROUTES: tuple[type[Route], ...] = (PlacedRoute, GraphRoute)  # asked in this order
+ROUTES: tuple[type[Route], ...] = (StudyRoute, PlacedRoute, GraphRoute)  # asked in this order
 _RESUME = "The last checkpoint written is the point to resume from: fit(ckpt_path=...)"
 
 
@@ -53,7 +54,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
     Args:
         place: ``{submodule path: worker}``: the placed route. The named submodules of
             an unmodified LightningModule (``"encoder"``, ``"model.transformer"``) run and
-            train on those workers; nothing in the model changes.
+            train on those workers; nothing in the model changes. ``{"trunk": study.shared}``
+            runs it on a study's hub, shared with other data owners (``somatize.fed``).
         trains: what trains a part over there, instead of a mirror of the Lightning
             optimizer that holds its parameters (same class, hyper-parameters and groups,
             stepped when it steps). Keyed by a placed module's path (``place=``) or a
@@ -78,7 +80,9 @@ class SomatizeStrategy(SingleDeviceStrategy):
                  store: Any = None, place: Mapping[str, str] | None = None,
                  trace: str | os.PathLike | None = None, **kwargs: Any):
         super().__init__(device=torch.device("cpu"), **kwargs)  # Lightning's, at setup
-        self.place = dict(place or {})
+        # a study's shared module (place={"trunk": study.shared}) runs on its hub
+        self.shared = {k: v for k, v in (place or {}).items() if hasattr(v, "somatize_study")}
+        self.place = {k: v for k, v in (place or {}).items() if k not in self.shared}
         self.trace = trace
         self._tracer: Tracer | None = None
         self._lost: str | None = None  # a worker lost with trained state: nothing to save
