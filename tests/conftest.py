@@ -28,7 +28,8 @@ FIRST = ["test_remote.py", "test_placed_optimizers.py", "test_dropin.py", "test_
 # outside these files that starts one fails (pytest_runtest_makereport), naming this list.
 PROCESSES = {
     "test_cache.py", "test_cache_faithful.py", "test_describe.py", "test_dropin.py",
-    "test_dropin_cache.py", "test_faults.py", "test_forks.py", "test_graph_optimizers.py",
+    "test_dropin_cache.py", "test_faults.py", "test_fed_hosts.py", "test_fed_study.py",
+    "test_forks.py", "test_graph_optimizers.py",
     "test_hosts.py", "test_hydra.py", "test_items_processes.py", "test_lightning.py",
     "test_lightning_split.py", "test_main_job.py", "test_microbatches_remote.py",
     "test_mixed_routes.py", "test_packaging.py", "test_per_item.py",
