@@ -29,8 +29,7 @@ from blake3 import blake3
 
 from ..._errors import Refused
 from ..._keys import changed, digest, state_of_call
-from ..._memory import state_digest
-from ..._naming import _fingerprint_of
+from ..._naming import _fingerprint_of, live_state
 from ..._node import kind_of
 from ..._say import say_once
 from ..._values import Opaque, bare
@@ -259,9 +258,9 @@ class PerItemForward(CachedForward):
                 "(SomatizeCache without per_item=True)")
         _refuse_trained_input(self.path, args, kwargs)
         refuse_coupled(self.module, self.path)
-        if self._watch is None or self._watch.changed(self.module):
+        if self._watch is None or self.reads is None or self._watch.changed(self.module):
             self.settle()  # its weights or settings were written: a new name
-        out, _ = self.item(args[0], self.run, self.digest, {"fingerprint": self.code},
+        out, _ = self.item(args[0], self.run, self.state(), {"fingerprint": self.code},
                            _device_of(self.module))
         self.hits, self.misses = self.item.hits, self.item.misses
         return out
@@ -287,7 +286,7 @@ def answer_mapped(graph, n: str, node: Any, x: Any, keeper: Any, run) -> tuple[A
         return bare(y)
 
     dev = next((d for _, m in modules if (d := _device_of(m)) is not None), None)
-    out, ran = item(bare(x), compute, state_digest(node),
+    out, ran = item(bare(x), compute, live_state(n, node, graph.memory.cached.get(n)),
                     {"fingerprint": _fingerprint_of(node)}, dev)
     return (Opaque(out) if (opaque[0] if opaque else wrapped) else out), ran
 
