@@ -202,7 +202,7 @@ class PerItem:
                 part = torch.cat([part, part[-1:].expand(short, *part.shape[1:])])
             y = run(part)
             if not isinstance(y, torch.Tensor) or y.dim() == 0 or y.shape[0] != CHUNK:
-                return self._checked(y, CHUNK, None, None)  # refused, naming what it gave
+                return self._checked(y, CHUNK, None, None, n)  # refused, naming what it gave
             outs.append(y[:CHUNK - short] if short else y)
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         if self.exact:
@@ -226,14 +226,17 @@ class PerItem:
             f"{CHUNK}: drop exact=True to accept that, or keep it per batch (leave out "
             "per_item=True / .mapped())")
 
-    def _checked(self, out: Any, n: int, rows: Any, layout: Any) -> torch.Tensor:
-        """Refuse an output that is not rows of the batch, or whose rows changed shape."""
+    def _checked(self, out: Any, n: int, rows: Any, layout: Any,
+                 misses: int | None = None) -> torch.Tensor:
+        """Refuse an output that is not rows of the batch, or whose rows changed shape
+        (``misses``: how many of the ``n`` rows it was given were the batch's)."""
         if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != n \
                 or out.dtype not in NAMES:
             got = (f"a {tuple(out.shape)} {out.dtype} tensor" if isinstance(out, torch.Tensor)
                    else f"a {type(out).__name__}")
             raise Refused(
-                f"{self.name!r} is kept per item, but for a batch of {n} it returned {got}: "
+                f"{self.name!r} is kept per item, but for a batch of {misses or n} it returned "
+                f"{got}{f' for the {n} rows it was given (misses are computed in chunks of {n})' if misses else ''}: "
                 f"per item needs a tensor whose dim 0 is the batch ({n} rows). Keep it per "
                 "batch (leave out per_item=True / .mapped())")
         row = tuple(out.shape[1:])
