@@ -283,3 +283,49 @@ def test_a_node_changed_after_freeze_is_computed_anew(tmp_path, mapped, change):
         assert enc.computed == computed + X.shape[0]
     finally:
         CFG["gain"] = 1.0
+
+
+SCRIPT = '''
+import sys
+import torch
+from torch import nn
+from somatize.torch.cache._cached import CachedForward
+
+
+class Lin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def run(store):
+    m = Lin().eval().requires_grad_(False)
+    m.forward = CachedForward(m, "lin", store)
+    m(torch.ones(3, 4))
+    return m.forward.hits, m.forward.misses
+
+
+if __name__ == "__main__":
+    COUNTS = run(STORE)
+'''
+
+
+def test_a_class_run_as_the_script_and_imported_is_named_the_same(tmp_path, monkeypatch):
+    import runpy
+    import sys
+
+    (tmp_path / "lin_script.py").write_text(SCRIPT)
+    monkeypatch.syspath_prepend(str(tmp_path))  # as `python lin_script.py` has it
+    store = str(tmp_path / "soma")
+    ran = runpy.run_path(str(tmp_path / "lin_script.py"), {"STORE": store}, run_name="__main__")
+    assert ran["COUNTS"] == (0, 1) and ran["Lin"].__module__ == "__main__"
+    import lin_script
+
+    try:
+        assert lin_script.run(store) == (1, 0)  # imported: the same name, a hit
+    finally:
+        sys.modules.pop("lin_script", None)
