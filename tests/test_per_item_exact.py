@@ -90,3 +90,33 @@ def test_two_input_lengths_kept_under_one_module_are_each_served_right(tmp_path)
     assert torch.equal(again(short), plain(again, short))
     assert torch.equal(again(long[3:9]), plain(again, long[3:9]))
     assert again.forward.item.misses == 0
+
+
+def test_a_per_item_cache_that_never_hits_across_epochs_says_so_once(tmp_path, said, say_again):
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from somatize.lightning import SomatizeCache
+
+    class Augmented(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(8, 6)
+            self.head = nn.Linear(6, 2)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            x = x + 0.1 * torch.randn_like(x)  # random augmentation before the cached module
+            return nn.functional.cross_entropy(self.head(self.body(x)), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.head.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(X[:32], torch.arange(32) % 2), batch_size=8, shuffle=True)
+    cache = SomatizeCache(tmp_path / "store", modules=["body"], per_item=True)
+    pl.Trainer(max_epochs=4, callbacks=[cache], logger=False, enable_checkpointing=False,
+               enable_progress_bar=False, enable_model_summary=False).fit(Augmented(), data)
+    assert (cache.hits, cache.misses) == (0, 128)
+    text = said()
+    assert text.count("found none of its 32 items in the store, which grew by as many") == 1
+    assert "random augmentation before the cached module" in text and "['body']" in text
