@@ -16,8 +16,8 @@ from typing import Any
 from ._holes import Runtime
 from ._keys import changed, classes_of, fingerprint, key_of_input, key_of_node
 from ._memory import state_digest
-from ._reads import reads_of
 from ._node import kind_of
+from ._reads import reads_of
 from ._say import say_once
 from ._values import Opaque, bare, codec_for
 

@@ -253,7 +253,7 @@ def globals_written(code: types.CodeType) -> set[str]:
     out: set[str] = set()
     stack: list[str | None] = []
     ins = list(dis.get_instructions(code))
-    for i, op in enumerate(ins):
+    for op in ins:
         name = op.opname
         if name in ("STORE_GLOBAL", "DELETE_GLOBAL"):
             out.add(str(op.argval))

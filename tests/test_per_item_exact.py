@@ -33,7 +33,8 @@ def in_a_chunk(module, rows):
 def test_an_items_value_does_not_depend_on_the_batch_it_came_in(tmp_path):
     import copy
 
-    a, b = per_item(copy.deepcopy(MLP), tmp_path / "a"), per_item(copy.deepcopy(MLP), tmp_path / "b")
+    a = per_item(copy.deepcopy(MLP), tmp_path / "a")
+    b = per_item(copy.deepcopy(MLP), tmp_path / "b")
     # the same items, in batches of 7 and of 8 with other companions, a last smaller one
     got_a = torch.cat([a(X[i:i + 7]) for i in range(0, 40, 7)])
     order = torch.randperm(40, generator=torch.Generator().manual_seed(1))

@@ -34,15 +34,14 @@ from ..._node import kind_of
 from ..._say import say_once
 from ..._values import Opaque, bare
 from ...store._items import Items, Space
+from .._codec import DTYPES as CODEC_DTYPES
+from .._codec import TORCH_DTYPES
 from .._state import modules_of
 from ._cached import CachedForward, _refuse_trained_input
 from ._coupled import refuse_coupled, refuse_coupled_node
 
 CONTEXT = "somatize 2026-12 per-item key v1"
-NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-         torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-         torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-DTYPES = {v: k for k, v in NAMES.items()}
+NAMES, DTYPES = CODEC_DTYPES, TORCH_DTYPES  # the codec's one table: torch dtype <-> name
 CHUNK = 32  # misses are computed in batches of this many rows (padded): docs/per-item.md
 
 
@@ -220,7 +219,8 @@ class PerItem:
         raise Refused(
             f"{self.name!r} is kept per item with exact=True, but its rows depend on the batch "
             f"they are computed in: in this batch of {x.shape[0]} rows, rows {differ[:8]} of "
-            f"its misses differ from the same rows computed in chunks of {CHUNK} (the last bits, on these "
+            f"its misses differ from the same rows computed in chunks of {CHUNK} (the last "
+            "bits, on these "
             "kernels), so a kept row would not equal what computing this batch again gives. "
             "Per item gives each item's value as first computed, in a chunk of "
             f"{CHUNK}: drop exact=True to accept that, or keep it per batch (leave out "
@@ -236,7 +236,7 @@ class PerItem:
                    else f"a {type(out).__name__}")
             raise Refused(
                 f"{self.name!r} is kept per item, but for a batch of {misses or n} it returned "
-                f"{got}{f' for the {n} rows it was given (misses are computed in chunks of {n})' if misses else ''}: "
+                f"{got}{_given(n) if misses else ''}: "
                 f"per item needs a tensor whose dim 0 is the batch ({n} rows). Keep it per "
                 "batch (leave out per_item=True / .mapped())")
         row = tuple(out.shape[1:])
@@ -254,6 +254,10 @@ class PerItem:
         if layout is not None:
             self.rows_of[layout] = row
         return out
+
+
+def _given(n: int) -> str:
+    return f" for the {n} rows it was given (misses are computed in chunks of {n})"
 
 
 def _check_code(name: str, kind: str, then: str | None, now: str | None) -> None:
