@@ -101,7 +101,7 @@ def test_a_crafted_pack_header_pointing_past_its_file_is_a_miss(tmp_path):
     assert head != raw[8:8 + hlen]
     path.write_bytes(raw[:8] + head + raw[8 + hlen:])
     assert missing(tmp_path, 0, 20) == list(range(20))
-    assert any("tensors end at 3200, the data is 960 bytes" in p for p in verify(Items(tmp_path)))
+    assert any("tensors end at 3200, the data is" in p for p in verify(Items(tmp_path)))
 
 
 def test_a_crafted_index_never_serves_another_items_row(tmp_path):
