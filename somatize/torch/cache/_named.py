@@ -5,12 +5,14 @@ that changing one changes the key of what it produces.
     pieces, tensors = settings_of(body, "body")   # ["0.eps=f:1e-05", ...], [("0.mask", t)]
 
 A setting is named by value when it is plain data: None, bools, numbers, strings, bytes,
-``torch.dtype``/``torch.device``, enums, functions (by their qualified name), dataclass
-instances of those, and tuples, lists, sets and dicts of them. A tensor that is not a
+``torch.dtype``/``torch.device``, enums, functions (yours by their code, constants,
+defaults and closure cells; a package's by its name and code), dataclass instances of
+those, and tuples, lists, sets and dicts (in their order) of them. A tensor that is not a
 parameter or buffer is state: its content is digested with the rest. What cannot be named
 (an arbitrary object) is refused, naming the attribute and what to do, unless ``salt``
-says the caller names it. The autocast state of the call is registered here as part of
-every key (``somatize._keys.call_state``), on both routes.
+says the caller names it. The autocast state and the math settings of the call
+(``math_state``) are registered here as part of every key (``somatize._keys.call_state``),
+on both routes. ``Watch`` tells at each call whether any of it may have changed.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ import torch
 
 from ..._errors import Refused
 from ..._keys import call_state
-from ..._reads import Unnamed, class_name, function_text, name_value, value_namer
+from ..._reads import (
+    Unnamed,
+    class_name,
+    code_digest,
+    function_text,
+    name_value,
+    value_namer,
+    yours,
+)
 from .._private import ROUTED_CALL, own_tensors, version
 
 # the device types whose autocast state is part of every key
@@ -162,6 +172,8 @@ def _named(v: Any, name: str, tensors: list, depth: int) -> str:
         return "module"  # walked as a module of its own
     if isinstance(v, types.FunctionType):  # an activation held as a function, a lambda:
         # its code, constants, defaults and closure cells (by value, tensors as state)
+        if not yours(v.__code__):  # an installed package's (F.relu): its version names it
+            return f"code:{v.__module__}.{v.__qualname__}:{code_digest(v.__code__)}"
         return function_text(v, name, depth, lambda x, w, d: _named(x, w, tensors, d))
     if isinstance(v, (tuple, list, set, frozenset)):
         items = [_named(x, f"{name}[{i}]", tensors, depth + 1) for i, x in enumerate(v)]
