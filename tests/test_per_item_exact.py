@@ -121,3 +121,50 @@ def test_a_per_item_cache_that_never_hits_across_epochs_says_so_once(tmp_path, s
     text = said()
     assert text.count("found none of its 32 items in the store, which grew by as many") == 1
     assert "random augmentation before the cached module" in text and "['body']" in text
+
+
+def test_on_the_graph_route_a_mapped_node_that_never_hits_says_so_once(tmp_path, said, say_again):
+    from somatize import Done, Graph, Node
+    from somatize.torch import Trainer, freeze, parameters
+
+    class Enc(Node):
+        def __init__(self):
+            self.lin = nn.Linear(8, 6)
+
+        def forward(self, x, ctx):
+            return Done(self.lin(x))
+
+        def parameters(self):
+            return list(self.lin.parameters())
+
+    class Head(Node):
+        def __init__(self):
+            self.lin = nn.Linear(6, 2)
+
+        def forward(self, x, ctx):
+            return Done(self.lin(x))
+
+        def parameters(self):
+            return list(self.lin.parameters())
+
+    g = freeze(Graph.somatize(Enc().frozen().cached().mapped() >> Head()))
+    gen = torch.Generator().manual_seed(5)
+
+    def augmented():  # new rows every epoch: augmentation before the cached node
+        return [(X[i:i + 8] + 0.1 * torch.randn(8, 8, generator=gen), torch.arange(8) % 2)
+                for i in range(0, 32, 8)]
+
+    class Epochs:
+        def __len__(self):
+            return 4
+
+        def __iter__(self):
+            return iter(augmented())
+
+    trainer = Trainer(g, objective=nn.functional.cross_entropy,
+                      optimizer=torch.optim.SGD(parameters(g, without={"enc": None}), lr=0.1),
+                      store=str(tmp_path))
+    trainer.fit(Epochs(), epochs=3, progress=False)
+    text = said()
+    assert text.count("found none of its 32 items in the store, which grew by as many") == 1
+    assert "['enc']" in text and "random augmentation before the cached node" in text

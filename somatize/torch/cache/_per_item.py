@@ -352,3 +352,18 @@ def mapped_counts(graph) -> tuple[int, int]:
         for item in _nodes.get(graph.catalog[n], {}).values():
             hits, misses = hits + item.hits, misses + item.misses
     return hits, misses
+
+
+def say_if_never_hit(graph, epoch: int, before: tuple[int, int]) -> None:
+    """After an epoch past the first (counted from 0) in which the graph's ``.mapped()``
+    nodes found none of their items: say once that the store only grows (augmentation
+    before the cached node, most likely)."""
+    hits, misses = mapped_counts(graph)
+    hits, misses = hits - before[0], misses - before[1]
+    if epoch < 1 or hits or not misses:
+        return
+    say_once(("per item never hits", id(graph)),
+             f"epoch {epoch + 1} found none of its {misses} items in the store, which grew by "
+             f"as many rows: the inputs of {sorted(graph.memory.mapped)} are new every epoch "
+             "(random augmentation before the cached node, most likely), so nothing kept is "
+             "ever read again. Cache the output before the augmentation, or leave it uncached")
