@@ -37,8 +37,8 @@ from ..._learning import Learning
 from ..._memory import has_state
 from ..._trace import span
 from .._state import restore, snapshot
-from ..cache._per_item import mapped_counts, say_if_never_hit
 from .._tracer import Tracer
+from ..cache._per_item import mapped_counts, say_if_never_hit
 from ._pipeline import Pipeline
 from ._step import Step
 
