@@ -27,7 +27,8 @@ class CountingBody(nn.Module):
 
     def forward(self, x):
         with open(self.log, "a") as f:
-            f.write(f"{os.getpid()} {x.shape[0]}\n")
+            # distinct rows: per item pads its misses to chunks of 32 with copies of a row
+            f.write(f"{os.getpid()} {torch.unique(x, dim=0).shape[0]}\n")
         return self.lin(x).relu()
 
 
