@@ -64,7 +64,7 @@ class Clock(pl.Callback):
         self._in_step = False
 
     def on_train_start(self, trainer, pl_module):
-        session = getattr(trainer.strategy, "session", lambda _: None)("encoder")
+        session = getattr(trainer.strategy, "part", lambda _: None)("encoder")
         if session is not None:  # count what the strategy asks of the worker
             runtime = session.runtime
             for name in ("call", "call_async"):  # every message, waited for or not
@@ -93,7 +93,7 @@ class Clock(pl.Callback):
         self._last = now
 
     def on_train_epoch_end(self, trainer, pl_module):
-        session = getattr(trainer.strategy, "session", lambda _: None)("encoder")
+        session = getattr(trainer.strategy, "part", lambda _: None)("encoder")
         if session is None or trainer.current_epoch == 0:
             return
         runtime = session.runtime

@@ -94,7 +94,7 @@ class Counted(pl.Callback):
         self.there: tuple[int, int] | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        part = trainer.strategy.session("encoder")
+        part = trainer.strategy.part("encoder")
         if batch_idx == self.first:
             part.call("worker", _start)
             self.profile.enable()

@@ -40,7 +40,9 @@ import bench_dropin  # noqa: E402
 
 def worker_pid(trainer: pl.Trainer) -> int:
     strategy = trainer.strategy
-    if hasattr(strategy, "session"):
+    if hasattr(strategy, "part"):
+        return strategy.part("encoder").runtime.peers["worker"].pid
+    if hasattr(strategy, "session"):  # a checkout before part(name)
         return strategy.session("encoder").runtime.peers["worker"].pid
     return strategy.dropin.step.runtime.peers["worker"].pid  # a checkout before routes
 

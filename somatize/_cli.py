@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 
-USAGE = """usage: somatize {show,store,worker} ... | --version
+USAGE = """usage: somatize {show,store,worker,hub,fed} ... | --version
 
   show PATH|MODULE [--dot FILE] [--svg FILE] [--png FILE]
                         print a graph built by a script or module, and draw it
@@ -18,6 +18,10 @@ USAGE = """usage: somatize {show,store,worker} ... | --version
                         look inside a store, check it, clean it
   worker --name NAME --listen HOST:PORT [--store PATH] [--keepalive S]
                         serve as a standing worker
+  hub --study FILE --listen HOST:PORT --identity PEM --ca PEM [--checkpoints DIR]
+                        serve studies' shared modules to their data owners
+  fed {ca DIR, cert DIR NAME...}
+                        a study's certificate authority and its parties' certificates
 """
 
 
@@ -61,6 +65,10 @@ def _run(cmd: str, rest: list[str]) -> int:
         from .worker import main as worker_main
 
         return worker_main(rest)
+    if cmd in ("hub", "fed"):
+        from .fed._cli import fed_main, hub_main
+
+        return (hub_main if cmd == "hub" else fed_main)(rest)
     print(f"somatize: unknown command {cmd!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

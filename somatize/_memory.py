@@ -29,8 +29,23 @@ def has_state(node: Any) -> bool:
         return False
 
 
+# what checks a settled node for a change since it was settled (its weights loaded again,
+# a setting written) and digests it again: registered by somatize.torch
+_resettle: list = []
+
+
+def on_settled(check) -> None:
+    """Register ``check(node)``: called before a settled node's digest is read."""
+    if check not in _resettle:
+        _resettle.append(check)
+
+
 def state_digest(node: Any) -> str | None:
-    """The digest of a settled node's state, set by ``somatize.torch.freeze``."""
+    """The digest of a settled node's state, set by ``somatize.torch.freeze`` (and set
+    again when what it was taken over changed since)."""
+    if getattr(node, "_soma_digest", None) is not None:
+        for check in _resettle:
+            check(node)
     return getattr(node, "_soma_digest", None)
 
 

@@ -17,6 +17,7 @@ from ._holes import Runtime
 from ._keys import changed, classes_of, fingerprint, key_of_input, key_of_node
 from ._memory import state_digest
 from ._node import kind_of
+from ._reads import reads_of
 from ._say import say_once
 from ._values import Opaque, bare, codec_for
 
@@ -95,8 +96,17 @@ def _name(graph, order, inputs, given_keys) -> dict[str, str | None]:
                              "for tensors, or register a codec with somatize.codec)")
             fed = [("", by_input[id(x)])]
         node = graph.catalog[n]
-        keys[n] = key_of_node(kind_of(node), state_digest(node), graph.memory.cached.get(n), fed)
+        salt = graph.memory.cached.get(n)
+        keys[n] = key_of_node(kind_of(node), live_state(n, node, salt), salt, fed)
     return keys
+
+
+def live_state(n: str, node: Any, salt: str | None) -> str | None:
+    """What a node computes with, as it is now: its settled digest (taken again if its
+    weights or settings changed since ``freeze``) and the globals its code reads."""
+    state = state_digest(node)
+    reads = reads_of(classes_of(node, _code_of(node))).now(f"node {n!r}", salt)
+    return f"{state or ''}|{reads}" if reads else state
 
 
 def _code_of(node: Any) -> type:

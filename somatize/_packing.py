@@ -1,4 +1,6 @@
 """Packing: a value as ONE safetensors file, written and parsed by hand (no torch here).
+The one safetensors writer (``header``) and reader (``parse_header``) of the package, and
+its one table of dtypes (``SIZES``): the store's packs use them too.
 
 Objects with a codec (tensors, once ``somatize.torch`` is imported) become safetensors
 tensors; the nested structure around them (dicts, lists, tuples, numbers, strings,
@@ -87,23 +89,36 @@ def pack(value: Any) -> tuple[bytes, list[memoryview]]:
     """
     blobs: list[Blob] = []
     structure = _encode(value, blobs, 0)
-    header: dict[str, Any] = {"__metadata__": {
-        FORMAT: json.dumps(structure, separators=(",", ":"))}}
+    tensors = [(str(i), blob.dtype, blob.shape, _bytes_of(blob)) for i, blob in enumerate(blobs)]
+    return header({FORMAT: json.dumps(structure, separators=(",", ":"))}, tensors, align=True)
+
+
+def header(meta: dict[str, str], tensors: list[tuple[str, str, Any, Any]],
+           align: bool = False) -> tuple[bytes, list[memoryview]]:
+    """The one safetensors writer: the header (length prefix included, padded so the
+    data starts 64-aligned) of ``tensors`` (``(name, dtype, shape, bytes)``, laid out back
+    to back in that order) with ``meta`` as its ``__metadata__``, and the buffers to write
+    after it. ``align``: every tensor starts at a multiple of 64 (gaps filled by padding
+    entries of their own, ``__pad_<i>__``)."""
+    head: dict[str, Any] = {"__metadata__": dict(meta)}
     buffers: list[memoryview] = []
     offset = 0
-    for i, blob in enumerate(blobs):
-        mv = _bytes_of(blob)
-        gap = -offset % ALIGN
+    for i, (name, dtype, shape, data) in enumerate(tensors):
+        mv = memoryview(data).cast("B") if memoryview(data).nbytes else memoryview(b"")
+        if dtype not in SIZES or math.prod(shape) * SIZES[dtype] != mv.nbytes:
+            raise ValueError(f"tensor {name!r}: {mv.nbytes} bytes are not a {dtype} of "
+                             f"shape {list(shape)}")
+        gap = -offset % ALIGN if align else 0
         if gap and mv.nbytes:
-            header[f"__pad_{i}__"] = {"dtype": "U8", "shape": [gap],
-                                      "data_offsets": [offset, offset + gap]}
+            head[f"__pad_{i}__"] = {"dtype": "U8", "shape": [gap],
+                                    "data_offsets": [offset, offset + gap]}
             buffers.append(_ZEROS[:gap])
             offset += gap
-        header[str(i)] = {"dtype": blob.dtype, "shape": list(blob.shape),
-                          "data_offsets": [offset, offset + mv.nbytes]}
+        head[name] = {"dtype": dtype, "shape": list(shape),
+                      "data_offsets": [offset, offset + mv.nbytes]}
         buffers.append(mv)
         offset += mv.nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = json.dumps(head, separators=(",", ":")).encode()
     text += b" " * (-(_LEN.size + len(text)) % ALIGN)  # the data starts 64-aligned
     return _LEN.pack(len(text)) + text, buffers
 
@@ -176,31 +191,50 @@ def _read(buf: Any, strict: bool) -> Any:
 
 
 def _read_header(buf: memoryview) -> tuple[dict, Any, memoryview]:
-    if len(buf) < _LEN.size:
-        raise Damaged(f"{len(buf)} bytes: too short for the 8-byte header length")
-    (n,) = _LEN.unpack_from(buf, 0)
-    if n > min(_MAX_HEADER, len(buf) - _LEN.size):
-        raise Damaged(f"a header of {n} bytes in a file of {len(buf)}")
-    text = bytes(buf[_LEN.size:_LEN.size + n]).decode("utf-8")
-    if not text.startswith("{"):
-        raise Damaged("the header is not a JSON object")
-    header = json.loads(text)  # a key twice: the last one wins, the first leaves a gap
-    meta = header.pop("__metadata__", None)
+    n = header_length(bytes(buf[:_LEN.size]), len(buf))
+    entries, meta = parse_header(bytes(buf[_LEN.size:_LEN.size + n]), len(buf) - _LEN.size - n)
+    if FORMAT not in meta:
+        raise Damaged(f"no {FORMAT!r} in __metadata__: not a value somatize packed")
+    return entries, json.loads(meta[FORMAT]), buf[_LEN.size + n:]
+
+
+def header_length(first: bytes, size: int) -> int:
+    """The length of the JSON header, from a safetensors file's first 8 bytes and its size;
+    raises ``Damaged`` when it cannot be one."""
+    if len(first) < _LEN.size:
+        raise Damaged(f"{size} bytes: too short for the 8-byte header length")
+    (n,) = _LEN.unpack_from(first, 0)
+    if n > min(_MAX_HEADER, size - _LEN.size):
+        raise Damaged(f"a header of {n} bytes in a file of {size}")
+    return n
+
+
+def parse_header(text: bytes, data_size: int) -> tuple[dict, dict[str, str]]:
+    """The one safetensors reader: a header's tensors ``{name: (dtype, shape, start,
+    stop)}`` and its metadata, checked as the safetensors library checks them (UTF-8
+    JSON, known dtypes, shapes of non-negative ints, offsets covering exactly shape x item
+    size, back to back, ending at ``data_size``, the bytes after the header); raises
+    ``Damaged`` otherwise."""
+    try:
+        decoded = text.decode("utf-8")
+        if not decoded.startswith("{"):
+            raise Damaged("the header is not a JSON object")
+        head = json.loads(decoded)  # a key twice: the last one wins, the first leaves a gap
+    except (UnicodeDecodeError, ValueError) as e:
+        raise Damaged(f"the header does not parse ({type(e).__name__})") from None
+    meta = head.pop("__metadata__", None)
     if not isinstance(meta, dict) or not all(
             type(k) is str and type(v) is str for k, v in meta.items()):
         raise Damaged("__metadata__ is missing or does not map strings to strings")
-    if FORMAT not in meta:
-        raise Damaged(f"no {FORMAT!r} in __metadata__: not a value somatize packed")
-    data = buf[_LEN.size + n:]
-    entries = {name: _entry(name, t) for name, t in header.items()}
+    entries = {name: _entry(name, t) for name, t in head.items()}
     end = 0
     for name, (_, _, start, stop) in sorted(entries.items(), key=lambda e: e[1][2:]):
         if start != end:  # back to back: a gap or an overlap is not safetensors
             raise Damaged(f"tensor {name!r} starts at {start}, the one before ends at {end}")
         end = stop
-    if end != len(data):
-        raise Damaged(f"tensors end at {end}, the data is {len(data)} bytes")
-    return entries, json.loads(meta[FORMAT]), data
+    if end != data_size:
+        raise Damaged(f"tensors end at {end}, the data is {data_size} bytes")
+    return entries, meta
 
 
 def _entry(name: str, t: Any) -> tuple[str, tuple[int, ...], int, int]:

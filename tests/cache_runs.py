@@ -9,18 +9,11 @@ import os
 import sys
 
 import lightning.pytorch as pl
+import oracle
 import torch
 
 from examples.digits import DigitsData, DigitsModel
 from somatize.lightning import SomatizeCache, SomatizeStrategy
-
-
-class Losses(pl.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"].item())
 
 
 class CountsHere(pl.Callback):
@@ -39,13 +32,11 @@ def fit(strategy="auto", callbacks=(), frozen_by_hand=False, **kw):
     model = DigitsModel(lr=0.5, momentum=0.9)
     if frozen_by_hand:  # what SomatizeCache does to the body, done as plain Lightning would
         model.body.requires_grad_(False).eval()
-    losses = Losses()
-    trainer = pl.Trainer(max_epochs=2, strategy=strategy, enable_progress_bar=False,
-                         enable_model_summary=False, limit_val_batches=1, num_sanity_val_steps=0,
-                         callbacks=[losses, *callbacks],
-                         **{"enable_checkpointing": False, "logger": False, **kw})
-    trainer.fit(model, DigitsData(batch_size=32, limit=64, shuffle=False))
-    return trainer, losses.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trainer, losses = oracle.fit(model, strategy, DigitsData(batch_size=32, limit=64,
+                                                              shuffle=False),
+                                 max_epochs=2, limit_val_batches=1, num_sanity_val_steps=0,
+                                 callbacks=callbacks, **kw)
+    return trainer, losses, oracle.weights(model)
 
 
 def placed(out, store):

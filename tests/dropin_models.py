@@ -5,6 +5,7 @@ Lightning, then SomatizeStrategy(place=...), saved side by side)."""
 import os
 
 import lightning.pytorch as pl
+import oracle
 import torch
 import torch.utils.data as tud
 from lightning.pytorch.demos.transformer import LightningTransformer
@@ -242,24 +243,9 @@ class PlainAutoEncoder(AutoEncoder):
         self.encoder = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
 
 
-class Losses(pl.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        got = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self.losses.append(float(trainer.callback_metrics.get("loss", got)) if got is None
-                           else got.item())
-
-
 def fit(model, strategy, data=None, **kw):
-    losses = Losses()
-    trainer = pl.Trainer(logger=kw.pop("logger", False), enable_progress_bar=False,
-                         enable_model_summary=False,
-                         strategy=strategy, callbacks=[losses, *kw.pop("callbacks", [])],
-                         **{"enable_checkpointing": False, **kw})
-    trainer.fit(model, data)
-    return trainer, losses.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    trainer, losses = oracle.fit(model, strategy, data, **kw)
+    return trainer, losses, oracle.weights(model)
 
 
 def both(make, place, out, data=None, **kw):

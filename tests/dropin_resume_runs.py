@@ -10,7 +10,8 @@ import sys
 
 import lightning.pytorch as pl
 import torch
-from dropin_models import AutoEncoder, Finetuned, Losses, digits, fit
+from dropin_models import AutoEncoder, Finetuned, digits, fit
+from oracle import Losses
 
 from somatize.lightning import SomatizeStrategy
 

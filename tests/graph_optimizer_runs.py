@@ -12,7 +12,8 @@ import sys
 
 import lightning.pytorch as pl
 import torch
-from placed_optimizer_runs import data, fit, keep_worker, weights
+from oracle import weights
+from placed_optimizer_runs import data, fit, keep_worker
 from torch import nn
 from torch.nn import functional as F
 

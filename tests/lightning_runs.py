@@ -13,6 +13,7 @@ import time
 
 import lightning.pytorch as pl
 import torch
+from oracle import Losses, weights
 
 from examples.digits import DigitsData
 from examples.digits_graph import Body, DigitsGraphModel
@@ -20,16 +21,6 @@ from somatize import Done, Graph, Node, Opaque
 from somatize.lightning import SomatizeStrategy
 from somatize.remote import Worker
 from somatize.torch import GraphModule
-
-
-class Losses(pl.Callback):
-    """Every training step's loss, as a float."""
-
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"].item())
 
 
 def fit(strategy, *, steps=10, epochs=None, accumulate=1, ckpt_dir=None, ckpt_path=None,
@@ -47,8 +38,7 @@ def fit(strategy, *, steps=10, epochs=None, accumulate=1, ckpt_dir=None, ckpt_pa
     return trainer, model, losses.losses
 
 
-def weights(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
 
 
 class Where(pl.Callback):
@@ -261,11 +251,14 @@ class RunsOverThere(pl.Callback):
         self.counts.append(sum(n for pid, n in ran.items() if pid != os.getpid()))
 
 
-def worker_keeps(out, store):
+def worker_keeps(out, store, how="workers"):
+    """The body kept by its worker in ``store``: given as ``Worker.embedded(store=...)``,
+    or (``how="strategy"``) as ``SomatizeStrategy(store=...)``."""
     from somatize.lightning import SomatizeCache
 
     counted = RunsOverThere()
-    strategy = SomatizeStrategy(workers={"worker": Worker.embedded(store=store)})
+    strategy = SomatizeStrategy(workers={"worker": Worker.embedded(store=store)}) \
+        if how == "workers" else SomatizeStrategy(store=store)
     pl.seed_everything(0)
     trainer = pl.Trainer(max_epochs=2, strategy=strategy, logger=False,
                          enable_progress_bar=False, enable_model_summary=False,

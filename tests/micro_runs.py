@@ -16,7 +16,8 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from models import Body, Drop, Head, Pre, batches, same, twins, weights
+from models import Body, Drop, Head, Pre, batches, twins
+from oracle import same, weights
 from torch import nn
 
 from somatize import Done, Graph, Node, Opaque

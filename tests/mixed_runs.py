@@ -15,6 +15,7 @@ import sys
 import threading
 
 import lightning.pytorch as pl
+import oracle
 import torch
 import torch.utils.data as tud
 from scenario import play
@@ -47,18 +48,18 @@ class Mixed(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
-class Losses(pl.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"].item())
-
-
 def data():
     g = torch.Generator().manual_seed(0)
     x, y = torch.rand(96, 64, generator=g), torch.randint(0, 10, (96,), generator=g)
     return tud.DataLoader(tud.TensorDataset(x, y), batch_size=16)
+
+
+def _refused(call) -> str:
+    try:
+        call()
+    except TypeError as e:
+        return str(e)
+    return ""
 
 
 class Shared(pl.Callback):
@@ -71,10 +72,11 @@ class Shared(pl.Callback):
         if batch_idx != 2 or self.seen is not None:
             return
         s = trainer.strategy
-        session, placed, graph = s.session(), s.session("encoder"), s.session("net")
+        session, placed, graph = s.session(), s.part("encoder"), s.part("net")
         self.seen = {
             "parts": sorted(session.parts), "one": placed.session is session is graph.session,
-            "placed": placed.name, "graph": graph.name, "none": s.session("head") is None,
+            "placed": placed.name, "graph": graph.name, "none": s.part("head") is None,
+            "refused": _refused(lambda: s.session("encoder")),
             "traffic": [session.traffic(), placed.traffic(), graph.traffic()],
             "open": [not placed.closed, not graph.closed]}
 
@@ -96,11 +98,9 @@ class CtrlC(pl.Callback):
 
 def fit(strategy, *more):
     pl.seed_everything(0)
-    model, losses = Mixed(), Losses()
-    pl.Trainer(max_epochs=2, logger=False, enable_progress_bar=False,
-               enable_model_summary=False, enable_checkpointing=False, strategy=strategy,
-               callbacks=[losses, *more]).fit(model, data())
-    return losses.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model = Mixed()
+    _, losses = oracle.fit(model, strategy, data(), max_epochs=2, callbacks=more)
+    return losses, oracle.weights(model)
 
 
 def mixed(out):

@@ -186,23 +186,6 @@ def twins(build, seed: int = 0) -> tuple[Graph, Graph]:
     return one, other
 
 
-def weights(graph: Graph) -> dict[str, list[torch.Tensor]]:
-    """Every node's parameters, by node id (copies)."""
-    return {n: [p.detach().clone() for p in node.parameters()]
-            for n, node in graph.catalog.items() if hasattr(node, "parameters")}
-
-
-def same(a, b) -> bool:
-    """Bit for bit: the same keys and torch.equal tensors, nested."""
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and torch.equal(a, b)
-    return a == b
-
-
 # -- the cache tests' nodes: each counts its runs in ``RUNS`` by node id --------------
 
 RUNS: Counter = Counter()

@@ -11,8 +11,10 @@ import sys
 import time
 
 import lightning.pytorch as pl
+import oracle
 import torch
 import torch.utils.data as tud
+from oracle import weights
 from torch import nn
 from torch.nn import functional as F
 
@@ -143,25 +145,11 @@ def data(n=64, seed=0):
     return tud.DataLoader(tud.TensorDataset(torch.rand(n, 64, generator=g)), batch_size=16)
 
 
-class Losses(pl.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"].item())
-
-
 def fit(model, strategy, ckpt=None, callbacks=(), **kw):
-    losses = Losses()
-    trainer = pl.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         enable_checkpointing=False, strategy=strategy,
-                         callbacks=[losses, *callbacks], **kw)
-    trainer.fit(model, data(), ckpt_path=ckpt)
-    return trainer, losses.losses
+    return oracle.fit(model, strategy, data(), ckpt_path=ckpt, callbacks=callbacks, **kw)
 
 
-def weights(model):
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
 
 
 def optimizers(out, *names):

@@ -13,7 +13,8 @@ import os
 import sys
 
 import torch
-from models import Body, Head, Pre, batches, same, twins, weights
+from models import Body, Head, Pre, batches, twins
+from oracle import same, weights
 from torch.nn.functional import cross_entropy
 
 from somatize import Graph

@@ -15,6 +15,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 import torch.nn.functional as F
+from oracle import Losses
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -106,14 +107,6 @@ class Model(pl.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5)
-
-
-class Losses(pl.Callback):
-    def __init__(self):
-        self.losses = []
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        self.losses.append(outputs["loss"].item())
 
 
 class Computes(pl.Callback):

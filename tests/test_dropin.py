@@ -6,7 +6,7 @@ process."""
 
 import pytest
 import torch
-from models import same
+from oracle import same
 from scenario import scenario
 
 # the module-wide fixture plays every oracle in one scenario (its own timeout: 900 s),

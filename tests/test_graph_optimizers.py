@@ -7,7 +7,7 @@ piece's indices and handed back on resume: plain Lightning's numbers, bit for bi
 
 import pytest
 import torch
-from models import same
+from oracle import same
 from scenario import scenario
 
 

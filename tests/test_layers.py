@@ -1,7 +1,7 @@
 """The layers, read off every module's imports (inside functions too): the core imports
 no layer above it, and no layer imports one above itself.
 
-    core (somatize/_*.py) < store < torch < remote < lightning
+    core (somatize/_*.py) < store < torch < remote < fed < lightning
 
 ``somatize/__init__.py`` wires the defaults into the core's holes and the command-line
 entries sit on top; they are not layers.
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "somatize"
-LAYERS = ["core", "store", "torch", "remote", "lightning"]
+LAYERS = ["core", "store", "torch", "remote", "fed", "lightning"]
 ON_TOP = {"somatize", "somatize.__main__", "somatize._cli", "somatize._store_cli",
           "somatize.worker"}  # the wiring and the command-line entries
 NO_TORCH = {"core", "store"}  # what `import somatize` and a store reader load
@@ -30,7 +30,7 @@ def layer_of(module: str) -> str | None:
     if module in ON_TOP:
         return None
     parts = module.split(".")
-    if len(parts) > 1 and parts[1] in ("store", "torch", "remote", "lightning"):
+    if len(parts) > 1 and parts[1] in ("store", "torch", "remote", "fed", "lightning"):
         return parts[1]
     return "core"
 

@@ -8,7 +8,8 @@ import pickle
 
 import torch
 import torch.nn.functional as F
-from models import Body, Head, batches, same, twins, weights
+from models import Body, Head, batches, twins
+from oracle import same, weights
 
 import somatize
 from somatize import Ctx, Done, Graph, Node, Opaque, stages

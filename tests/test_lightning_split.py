@@ -121,13 +121,24 @@ def test_a_standing_worker_trains_the_body_and_one_process_also_uses_somatize_re
         assert torch.equal(split[k], plain[k]), k
 
 
-def test_a_cached_body_on_a_worker_with_a_store_is_looked_up_there(tmp_path):
+@pytest.mark.parametrize("how", ["workers", "strategy"])
+def test_a_cached_body_on_a_worker_with_a_store_is_looked_up_there(tmp_path, how):
+    # Worker.embedded(store=...) in workers=, or SomatizeStrategy(store=...) for every
+    # embedded worker the fit places work on
     store = tmp_path / "worker-store"
     out = tmp_path / "counts.pt"
-    run("worker_keeps", out, store)
+    run("worker_keeps", out, store, how)
     counts = torch.load(out)["counts"]
     assert counts[0] > 0 and counts[1] == counts[0]  # epoch 2 found every batch over there
     assert list(open_keeper(str(store)).names("value/"))  # kept over there
+
+
+def test_a_store_the_workers_cannot_open_is_refused_when_the_strategy_is_built(store):
+    from somatize import Refused
+    from somatize.lightning import SomatizeStrategy
+
+    with pytest.raises(Refused, match="give a path"):
+        SomatizeStrategy(store=store)  # a Store object: another process cannot open it
 
 
 

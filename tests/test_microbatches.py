@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from micro_runs import SGD, one_piece, split, tensor_bytes
-from models import Body, Drop, Head, Pre, batches, same, twins, weights
+from models import Body, Drop, Head, Pre, batches, twins
+from oracle import same, weights
 
 from somatize import Ctx, Refused
 from somatize.torch import Split, Trainer, parameters

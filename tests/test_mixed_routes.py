@@ -40,10 +40,11 @@ def test_a_placed_submodule_and_a_graph_node_placed_in_one_model_both_train_exac
 
 def test_the_two_routes_of_a_fit_are_parts_of_one_session_that_closes_them_both(mixed):
     seen, after = mixed["seen"], mixed["after"]
-    # during fit: session(name) answers the part that runs name, both of one session
+    # during fit: part(name) answers the part that runs name, both of one session
     assert seen["parts"] == ["", "net"] and seen["one"] is True
     assert (seen["placed"], seen["graph"], seen["none"]) == ("", "net", True)
     assert seen["open"] == [True, True]
+    assert "strategy.part('encoder')" in seen["refused"]  # a part is part(name), not session
     total, placed, graph = seen["traffic"]
     assert placed[1] > 0 and graph[1] > 0  # both sent something
     assert total[1:] == (placed[1] + graph[1], placed[2] + graph[2])

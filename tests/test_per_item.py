@@ -11,6 +11,7 @@ import sys
 
 import torch
 from item_runs import Reordered, computed, fit
+from oracle import same
 
 from examples.digits import DigitsData
 from somatize.lightning import SomatizeCache
@@ -25,11 +26,6 @@ def distinct_items() -> int:
     seen = [*data.train_set.tensors[0], *data.val_set.tensors[0][:256]]
     rows = {r.numpy().tobytes() for r in seen}
     return len(rows)  # 64 training items and the 256 validation items of one batch
-
-
-def same(a, b) -> bool:
-    return a[0] == b[0] and a[1].keys() == b[1].keys() and all(
-        torch.equal(a[1][k], b[1][k]) for k in a[1])
 
 
 def test_a_shuffled_fit_computes_each_item_once_and_trains_as_the_oracle(tmp_path):

@@ -23,7 +23,8 @@ class Enc(Node):
 
     def forward(self, x, ctx):
         with open(self.log, "a") as f:
-            f.write(f"{os.getpid()} {x.shape[0]}\n")
+            # distinct rows: per item pads its misses to chunks of 32 with copies of a row
+            f.write(f"{os.getpid()} {torch.unique(x, dim=0).shape[0]}\n")
         return Done(self.lin(x).relu())
 
     def parameters(self):
@@ -149,9 +150,11 @@ def test_outputs_that_are_not_rows_of_the_batch_are_refused_at_the_batch_that_sh
     assert not list((tmp_path / "items").rglob("*.seg"))  # nothing kept
     padded = PerItem("body", "Padded", str(tmp_path))
     padded(torch.rand(4, 3), lambda x: x * 2, None, {})
-    with pytest.raises(Refused, match=r"its output rows were \[3\] and are now \[5\]: their "
+    longer = torch.rand(4, 5)  # inputs of another length: their own rows, served right
+    assert torch.equal(padded(longer, lambda x: x * 2, None, {})[0], longer * 2)
+    with pytest.raises(Refused, match=r"its output rows were \[3\] and are now \[6\]: their "
                                       r"shape changes from batch to batch"):
-        padded(torch.rand(4, 5), lambda x: x * 2, None, {})
+        padded(torch.rand(4, 3), lambda x: x.repeat(1, 2), None, {})  # the same inputs' length
 
 
 def test_a_batch_comes_back_in_order_fresh_with_the_modules_dtype(tmp_path):
@@ -164,9 +167,9 @@ def test_a_batch_comes_back_in_order_fresh_with_the_modules_dtype(tmp_path):
 
     x = torch.rand(6, 3)
     first, ran = item(x, double, None, {})
-    assert ran and calls == [6]
+    assert ran and calls == [32]  # misses are computed in chunks of 32 rows, padded
     mixed, ran = item(torch.cat([x[[4, 1]], torch.ones(1, 3), x[[1]]]), double, None, {})
-    assert calls == [6, 1] and (item.hits, item.misses) == (3, 7)
+    assert calls == [32, 32] and (item.hits, item.misses) == (3, 7)
     assert mixed.dtype == torch.float64
     assert torch.equal(mixed, torch.cat([first[[4, 1]], torch.full((1, 3), 2.0,
                                          dtype=torch.float64), first[[1]]]))

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 import torch
-from models import same
+from oracle import same
 from scenario import scenario, start
 
 from somatize.torch import _private

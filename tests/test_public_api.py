@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).parent.parent
 PUBLIC = ["somatize", "somatize.torch", "somatize.store", "somatize.remote",
-          "somatize.lightning"]
+          "somatize.lightning", "somatize.fed"]
 LAZY = {"somatize": ["Worker", "Learning"]}  # loaded on first use, so the core stays torch-free
 
 

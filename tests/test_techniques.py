@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from models import Body, Head, Pre, batches, same
+from models import Body, Head, Pre, batches
+from oracle import same
 from torch import nn
 
 from somatize import Graph, Learning, NoGradient

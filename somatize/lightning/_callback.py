@@ -96,11 +96,14 @@ class SomatizeCache(pl.Callback):
             changes what the modules compute (an attribute holding an object is then
             left out of the name instead of refused).
         per_item: keep and look up each module's output row by row (a store directory).
+        exact: with ``per_item``, refuse when a row's kept value would differ from what
+            computing its batch again gives (see docs/per-item.md).
     """
 
     def __init__(self, store: str | PathLike | Any, modules: Sequence[str] = (),
-                 salt: str | None = None, per_item: bool = False):
+                 salt: str | None = None, per_item: bool = False, exact: bool = False):
         self.store = store
+        self.exact = exact
         self.modules = list(modules)
         self._said_frozen = False
         self.salt = salt
@@ -166,7 +169,8 @@ class SomatizeCache(pl.Callback):
                 self.cached[path] = have
             else:
                 self.cached[path] = _forward_class(self.per_item)(
-                    module, path, self.store, previous=have, salt=self.salt)
+                    module, path, self.store, previous=have, salt=self.salt,
+                    **({"exact": True} if self.exact else {}))
                 module.forward = self.cached[path]  # an instance attribute: it pickles along
         if self.cached and not self._said_frozen:  # once: a test after the fit says nothing new
             self._said_frozen = True
@@ -311,7 +315,16 @@ class SomatizeCache(pl.Callback):
         loader: no batch repeats, so none ever will. Said once."""
         if hits or not misses or trainer.current_epoch < 1 or self.stages.said_shuffle:
             return
-        if self.per_item or not shuffles(trainer.train_dataloader):
+        if self.per_item:  # items never seen again: the input changes from epoch to epoch
+            self.stages.said_shuffle = True
+            log.warning(
+                "SomatizeCache: epoch %d found none of its %d items in the store, which grew "
+                "by as many rows: the inputs of %s are new every epoch (random augmentation "
+                "before the cached module, most likely), so nothing kept is ever read again. "
+                "Cache the module's output before the augmentation, or leave it uncached",
+                trainer.current_epoch, misses, sorted(self.cached))
+            return
+        if not shuffles(trainer.train_dataloader):
             return
         self.stages.said_shuffle = True
         log.warning(
@@ -345,7 +358,7 @@ class SomatizeCache(pl.Callback):
         """Where the module runs: read here, or over there through the strategy."""
         strategy = self._trainer.strategy if self._trainer is not None else None
         where = _placed_on(getattr(strategy, "place", None) or {}, path)
-        session = strategy.session(where[1]) if where is not None else None
+        session = strategy.part(where[1]) if where is not None else None
         if session is None:
             return cached.hits, cached.misses
         host, placed = where

@@ -40,10 +40,11 @@ from ._launcher import _ServingLauncher
 from ._placed_route import PlacedRoute
 from ._private import devices_asked, parallel_devices, set_launcher, set_root_device
 from ._route import Route
+from ._study_route import StudyRoute
 
 log = logging.getLogger(__name__)
 
-ROUTES: tuple[type[Route], ...] = (PlacedRoute, GraphRoute)  # asked in this order
+ROUTES: tuple[type[Route], ...] = (StudyRoute, PlacedRoute, GraphRoute)  # asked in this order
 _RESUME = "The last checkpoint written is the point to resume from: fit(ckpt_path=...)"
 
 
@@ -53,7 +54,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
     Args:
         place: ``{submodule path: worker}``: the placed route. The named submodules of
             an unmodified LightningModule (``"encoder"``, ``"model.transformer"``) run and
-            train on those workers; nothing in the model changes.
+            train on those workers; nothing in the model changes. ``{"trunk": study.shared}``
+            runs it on a study's hub, shared with other data owners (``somatize.fed``).
         trains: what trains a part over there, instead of a mirror of the Lightning
             optimizer that holds its parameters (same class, hyper-parameters and groups,
             stepped when it steps). Keyed by a placed module's path (``place=``) or a
@@ -64,7 +66,9 @@ class SomatizeStrategy(SingleDeviceStrategy):
         workers: ``{host: Worker}`` (``Worker.at("node3:7000")`` for a standing worker,
             ``Worker.embedded(store=...)`` for one that keeps what it runs); hosts not
             given get an embedded worker, or under torchrun the rank that serves them.
-        store: unused here; give a store to ``SomatizeCache``.
+        store: a directory the embedded workers keep what they run in (a graph node's
+            remembered values over there); a worker given in ``workers=`` keeps its own.
+            The cache of a LightningModule's own modules is ``SomatizeCache(store)``.
         trace: a path: write a Chrome trace-event file of the run there (Perfetto,
             chrome://tracing): one lane per process, spans for each forward and backward,
             transfer (with its bytes), optimizer step and wait; written at teardown.
@@ -78,14 +82,20 @@ class SomatizeStrategy(SingleDeviceStrategy):
         super().__init__(device=torch.device("cpu"), **kwargs)  # Lightning's, at setup
         _check_place(place)
         _check_workers(workers)
-        self.place = dict(place or {})
+        # a study's shared module (place={"trunk": study.shared}) runs on its hub
+        self.shared = {k: v for k, v in (place or {}).items() if hasattr(v, "somatize_study")}
+        self.place = {k: v for k, v in (place or {}).items() if k not in self.shared}
         self.trace = trace
         self._tracer: Tracer | None = None
         self._lost: str | None = None  # a worker lost with trained state: nothing to save
         self.trains = dict(trains or {})
         self.workers = dict(workers) if workers else None
         self._warm_up([])
-        self.store = store
+        if store is not None and not isinstance(store, (str, os.PathLike)):
+            raise Refused(f"SomatizeStrategy(store={type(store).__name__}): the embedded "
+                          "workers are other processes and open a store by its directory: "
+                          "give a path (str or pathlib.Path)")
+        self.store = None if store is None else os.fspath(store)
         self.routes: list[Route] = []
         self._session: Session | None = None  # the fit's (kept after it: where(), traffic())
         self._broken = self._interrupted = False
@@ -94,6 +104,19 @@ class SomatizeStrategy(SingleDeviceStrategy):
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
         self._warm_up(graph_modules(model))
+
+    def _workers_of(self, model: pl.LightningModule) -> dict | None:
+        """``workers=``, with an embedded worker keeping ``store=`` for each host the fit
+        places work on that it does not name."""
+        if self.store is None:
+            return self.workers
+        from ..remote import Worker
+
+        hosts = set(self.place.values())
+        for gm in graph_modules(model):
+            hosts |= set(gm.graph.placement.workers())
+        given = dict(self.workers or {})
+        return {**{h: Worker.embedded(store=self.store) for h in sorted(hosts)}, **given}
 
     def _warm_up(self, graph_modules: list) -> None:
         # the embedded workers' processes start as soon as their hosts are known (when
@@ -163,7 +186,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
         _refuse_unused_workers(self.workers, self.place, graph_modules(model))
         # the new session first: the worker processes of the old one are reused
         last, self._session = self._session, Session(
-            workers=self.workers, restart="run the fit again (it starts fresh workers)")
+            workers=self._workers_of(model),
+            restart="run the fit again (it starts fresh workers)")
         try:
             for kind in ROUTES:
                 mine = {n: t for n, t in self.trains.items() if n in names[kind]}
@@ -225,12 +249,20 @@ class SomatizeStrategy(SingleDeviceStrategy):
         return Traffic() if self._session is None else self._session.traffic()
 
     def session(self, name: str | None = None) -> Any:
-        """The fit's ``Session``; with ``name`` (a placed module's path, or a GraphModule's
-        name in the LightningModule) the part of it that runs ``name``:
-        ``session(name).call(host, fn, *args)`` runs ``fn(live_graph, *args)`` over there.
-        None when nothing placed runs it (or the fit's run over there is over)."""
-        if name is None or self._session is None:
-            return self._session
+        """The fit's ``Session`` (every part over there, its traffic and where it ran),
+        None before the fit. A part by name is ``part(name)``."""
+        if name is not None:
+            raise TypeError(f"session({name!r}): a part of the session is "
+                            f"strategy.part({name!r}); session() is the whole fit's")
+        return self._session
+
+    def part(self, name: str) -> Any:
+        """The part of the fit's session that runs ``name`` (a placed module's path, or a
+        GraphModule's name in the LightningModule): ``part(name).call(host, fn, *args)``
+        runs ``fn(live_graph, *args)`` over there. None when nothing placed runs it (or
+        the fit's run over there is over)."""
+        if self._session is None:
+            return None
         for route in self.routes:
             part = route.part_of(name)
             if part is not None:
@@ -384,7 +416,8 @@ def _check_place(place: Any) -> None:
             f"({place!r}): SomatizeStrategy(place={{'body': 'worker'}}); on the Hydra line "
             "'somatize.place={body: worker}'")
     for path, host in place.items():
-        if not isinstance(path, str) or not isinstance(host, str):
+        if not isinstance(path, str) or not (isinstance(host, str)
+                                             or hasattr(host, "somatize_study")):
             raise Refused(
                 f"place={{{path!r}: {host!r}}}: each entry is a submodule path and a worker "
                 "name, both strings: place={'body': 'worker'}")

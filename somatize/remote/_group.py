@@ -301,8 +301,11 @@ class Group:
             try:
                 rpc.rpc_sync(p.name, _serve.stop, timeout=min(p.timeout, 10.0))
             except Exception as e:
-                log.warning("worker %r did not take the stop: %s", p.host, e)
-                force = True
+                # a worker that took the stop may leave before its answer is written (EOF
+                # here, under load): it took it if it then exits by itself
+                if not self._exits(p):
+                    log.warning("worker %r did not take the stop: %s", p.host, e)
+                    force = True
         if p.proc is not None:
             if p.proc.stdin:
                 p.proc.stdin.close()
@@ -321,6 +324,19 @@ class Group:
             p.conn = None
         if p.why_dead() is not None or force:
             self.forget(p)
+
+    @staticmethod
+    def _exits(p: Peer) -> bool:
+        """Whether ``p``'s process ends by itself with code 0 within its stop's time (a
+        standing worker's process is its daemon's: it leaves the group, seen later)."""
+        if p.proc is None:
+            return p.kind == "standing"
+        if p.proc.stdin:
+            p.proc.stdin.close()  # what it waits for once the stop is taken, if anything
+        try:
+            return p.proc.wait(timeout=min(p.timeout, 10.0)) == 0
+        except subprocess.TimeoutExpired:
+            return False
 
     def forget(self, p: Peer) -> None:
         """Take a dead worker out of the group, so later ones can still join."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import os
 import struct
+import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
 from typing import NamedTuple
@@ -93,6 +94,7 @@ class Segment:
 
     def __init__(self, raw: bytes, name: str = "?"):
         self.name = name
+        self.order = order_of(name)
         if len(raw) < _HEAD.size + 32 or raw[:8] != MAGIC:
             raise BadSegment("not a segment (no SOMAIX01 header)")
         if blake3(memoryview(raw)[:-32]).digest() != raw[-32:]:
@@ -162,6 +164,26 @@ class Segment:
 
 
 _VANISHED = object()  # a segment listed, then gone before it was read
+_STAMP = 16  # hex digits of a segment name's time stamp, before its 32 random ones
+
+
+def segment_name(after: Iterable[str] = ()) -> str:
+    """A new segment's file name (no ``.seg``): its writing time (ns, 16 hex digits), then
+    32 random ones, so names sort in the order segments were written. A compaction's
+    segment (``after``: the names it merges) takes the stamp of the newest it merges: a
+    segment written meanwhile stays newer than it."""
+    stamps = [n[:_STAMP] for n in after if len(n.removesuffix(".seg")) == _STAMP + 32]
+    if after:
+        stamp = max(stamps) if stamps else "0" * _STAMP
+    else:
+        stamp = f"{time.time_ns():0{_STAMP}x}"
+    return stamp + new_name()
+
+
+def order_of(name: str) -> tuple[int, str]:
+    """Where a segment stands among the others: older first. Names written before stamps
+    (32 random hex digits) count as older than every stamped one, in name order."""
+    return (len(name.removesuffix(".seg")) == _STAMP + 32, name)
 
 
 class Index:
@@ -210,18 +232,26 @@ class Index:
             if not vanished:
                 break
         new = [n for n in new if n in self.segments]
+        newest = max((s.order for n, s in self.segments.items() if s is not None
+                      and n not in new), default=None)
+        if newest is not None and any(self.segments[n] is not None and
+                                      self.segments[n].order < newest for n in new):
+            gone = gone or {""}  # one older than those read (another host's clock): redo
+        self.segments = dict(sorted(self.segments.items(), key=lambda e: order_of(e[0])))
         if gone:
             self.small = {}
             todo = [s for s in self.segments.values() if s is not None and s.n <= SMALL]
         else:
             todo = [self.segments[n] for n in new]
             todo = [s for s in todo if s is not None and s.n <= SMALL]
+        todo.sort(key=lambda s: s.order)  # the newest record of a key counts: it goes last
         for s in todo:  # built in C: a refresh after a compaction re-reads thousands
             ks = s.keys
             self.small.update(zip((ks[i * KEY:(i + 1) * KEY] for i in range(s.n)),
                                   zip(repeat(s), range(s.n)), strict=True))
-        if gone or new:
-            self.big = [s for s in self.segments.values() if s is not None and s.n > SMALL]
+        if gone or new:  # newest first: the first that holds a key answers for it
+            self.big = sorted((s for s in self.segments.values() if s is not None
+                               and s.n > SMALL), key=lambda s: s.order, reverse=True)
 
     def _read(self, name: str) -> Segment | None:
         try:
@@ -244,29 +274,37 @@ class Index:
         for k in keys:
             at = small.get(k)
             loc = at[0].loc(at[1]) if at is not None else None
-            if loc is None:
-                for s in big:
-                    loc = s.find(k)
-                    if loc is not None:
-                        break
+            for s in big:  # one newer than the small segment that holds it answers
+                if loc is not None and s.order < at[0].order:
+                    break
+                found = s.find(k)
+                if found is not None:
+                    loc = found
+                    break
             out.append(loc)
         return out
 
     def records(self) -> dict[bytes, Loc]:
-        """Every record (the first found where a key is in several segments)."""
+        """Every item's record that counts: where a key is in several segments, the
+        newest one's (the one ``lookup`` answers; ``verify`` checks it)."""
         self.refresh()
         out: dict[bytes, Loc] = {}
-        for s in self.segments.values():
+        for s in self.segments.values():  # oldest first: a newer record overwrites
             if s is not None:
-                for k, loc in s.records():
-                    out.setdefault(k, loc)
+                out.update(s.records())
         return out
+
+    def packs_named(self) -> set[str]:
+        """Every pack any record of any segment names (what ``gc`` keeps: a damaged or
+        older copy's pack is removed only once no record names it)."""
+        self.refresh()
+        return {p for s in self.segments.values() if s is not None for p in s.packs}
 
     def add(self, records: Mapping[bytes, Loc]) -> None:
         """Write ``records`` as a new segment; then compact, when segments have piled up."""
         if not records:
             return
-        write_new(self.root, f"{self.rel}/{new_name()}.seg", encode(records), self.fsync,
+        write_new(self.root, f"{self.rel}/{segment_name()}.seg", encode(records), self.fsync,
                   self.shared)
         self.refresh()
         small = [n for n, s in self.segments.items() if s is not None and s.n <= SMALL]
@@ -279,15 +317,14 @@ class Index:
     def compact(self, names: Iterable[str]) -> None:
         """Merge the segments ``names`` into one new segment, then remove them. Safe
         beside writers and other compactions: the merged one is named before any goes."""
-        names = [n for n in names if self.segments.get(n) is not None]
+        names = sorted((n for n in names if self.segments.get(n) is not None), key=order_of)
         merged: dict[bytes, Loc] = {}
-        for n in names:
-            for k, loc in self.segments[n].records():
-                merged.setdefault(k, loc)
+        for n in names:  # oldest first: the newest record of a key is the one kept
+            merged.update(self.segments[n].records())
         if len(names) < 2:
             return
-        write_new(self.root, f"{self.rel}/{new_name()}.seg", encode(merged), self.fsync,
-                  self.shared)
+        write_new(self.root, f"{self.rel}/{segment_name(names)}.seg", encode(merged),
+                  self.fsync, self.shared)
         for n in names:  # one gone already: another compaction took it, records and all
             remove_below(self.root, f"{self.rel}/{n}")
         log.debug("index %s: %d segments compacted into one of %d records", self.folder,

@@ -99,6 +99,16 @@ def verify(items: Items) -> list[str]:
                 problems.append(f"damaged: pack {pack.path} row {loc.row} does not match its "
                                 "digest in the index. Delete the pack (its items are "
                                 "recomputed)")
+        for name in sorted(sp.index.packs_named() - set(packs)):  # older copies' packs
+            path = sp.folder / "packs" / f"{name}.safetensors"
+            try:
+                with Pack.open(str(path)) as pack:
+                    if not pack.check(hold=False):
+                        problems.append(f"damaged: pack {path} (an older copy no lookup "
+                                        "reads): its bytes do not match its digest. Delete it")
+            except (BadPack, OSError) as e:
+                problems.append(f"damaged: pack {path} (an older copy no lookup reads): "
+                                f"{e}. Delete it")
         for p in packs.values():
             if p is not None:
                 p.close()
@@ -115,7 +125,7 @@ def gc(items: Items, grace: float = 3600.0, dry_run: bool = False) -> tuple[int,
     with Lock(items, items.lock_timeout, exclusive=True) if not dry_run else nullcontext():
         for key in items.keys():
             sp = items.space(key)
-            named = {loc.pack for loc in sp.index.records().values()}
+            named = sp.index.packs_named()  # every copy named: damage never costs the live one
             doomed = [sp.folder / "packs" / f"{p}.safetensors" for p in sp.pack_names()
                       if p not in named]
             doomed += list(sp.leftovers())

@@ -17,23 +17,19 @@ an unchanged file is ``somatize store verify``'s to find (it checks each row's d
 
 from __future__ import annotations
 
-import json
 import os
-import struct
 import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from blake3 import blake3
 
+from .._packing import SIZES, Damaged, header, header_length, parse_header
 from ._files import write_file_atomic
 
-# safetensors dtype names and their item sizes
-ITEM_SIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2,
-             "I8": 1, "U8": 1, "BOOL": 1}
+ITEM_SIZE = SIZES  # safetensors dtype names and their item sizes: the package's one table
 _HEADER_MAX = 1 << 20
 KEY = 16  # bytes of an item key
-_U64 = struct.Struct("<Q")
 
 
 class BadPack(ValueError):
@@ -77,15 +73,10 @@ def write_pack(root: str, reldir: str, keys: Sequence[bytes], dtype: str, row: S
         raise ValueError(f"item keys are {KEY} bytes each")
     h = blake3(kb)
     h.update(data)
-    head = {"__metadata__": {**{k: str(v) for k, v in meta.items()}, "digest": h.hexdigest()},
-            "keys": {"dtype": "U8", "shape": [n, KEY], "data_offsets": [0, KEY * n]},
-            "rows": {"dtype": dtype, "shape": [n, *row],
-                     "data_offsets": [KEY * n, KEY * n + nbytes]}}
-    raw = json.dumps(head, separators=(",", ":")).encode()
-    raw += b" " * (-(len(raw) + 8) % 64)  # the keys start 64-byte aligned
+    head, buffers = header({**{k: str(v) for k, v in meta.items()}, "digest": h.hexdigest()},
+                           [("keys", "U8", (n, KEY), kb), ("rows", dtype, (n, *row), data)])
     name = new_name()
-    write_new(root, f"{reldir}/{name}.safetensors", [_U64.pack(len(raw)), raw, kb, data], fsync,
-              shared)
+    write_new(root, f"{reldir}/{name}.safetensors", [head, *buffers], fsync, shared)
     return name
 
 
@@ -109,30 +100,21 @@ class Pack:
         try:
             st = os.fstat(fd)
             size = st.st_size
-            first = os.pread(fd, 8, 0)
-            if len(first) != 8:
-                raise BadPack("shorter than a safetensors header")
-            hlen = _U64.unpack(first)[0]
-            if hlen > _HEADER_MAX or 8 + hlen > size:
-                raise BadPack(f"header of {hlen} bytes in a file of {size}")
             try:
-                head = json.loads(os.pread(fd, hlen, 8))
-                keys, rows = head["keys"], head["rows"]
-                dtype, shape = rows["dtype"], [int(s) for s in rows["shape"]]
-                kshape = [int(s) for s in keys["shape"]]
-                k0, k1 = (int(o) for o in keys["data_offsets"])
-                begin, end = (int(o) for o in rows["data_offsets"])
-                meta = {str(k): str(v) for k, v in head.get("__metadata__", {}).items()}
-            except (ValueError, KeyError, TypeError) as e:
-                raise BadPack(f"header does not parse: {e}") from None
-            if dtype not in ITEM_SIZE or not shape or min(shape) < 0 or "digest" not in meta:
-                raise BadPack(f"rows of dtype {dtype!r}, shape {shape}")
+                hlen = header_length(os.pread(fd, 8, 0), size)
+                if hlen > _HEADER_MAX:
+                    raise Damaged(f"a header of {hlen} bytes")
+                entries, meta = parse_header(os.pread(fd, hlen, 8), size - 8 - hlen)
+            except Damaged as e:
+                raise BadPack(str(e)) from None
+            keys, rows = entries.get("keys"), entries.get("rows")
+            if set(entries) != {"keys", "rows"} or "digest" not in meta or not rows[1]:
+                raise BadPack(f"not a pack: tensors {sorted(entries)[:4]}, metadata "
+                              f"{sorted(meta)[:4]}")
+            dtype, shape = rows[0], rows[1]
             n, row = shape[0], tuple(shape[1:])
-            if kshape != [n, KEY] or keys.get("dtype") != "U8" or (k0, k1) != (0, KEY * n) \
-                    or begin != k1 or end - begin != n * _row_bytes(dtype, row) \
-                    or 8 + hlen + end > size:
-                raise BadPack(f"data offsets {begin}..{end} do not hold {shape} {dtype} "
-                              f"and their keys in a file of {size} bytes")
+            if keys[:3] != ("U8", (n, KEY), 0) or rows[2] != KEY * n:
+                raise BadPack(f"keys {keys[:2]} and rows {rows[:2]} do not lie as a pack's")
             return cls(path, fd, dtype, row, n, 8 + hlen, meta,
                        (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
         except BaseException:

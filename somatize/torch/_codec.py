@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .._packing import ALIGN
+from .._packing import ALIGN, SIZES
 from .._values import Blob, codec
 
 DTYPES: dict[torch.dtype, str] = {
@@ -23,6 +23,7 @@ DTYPES: dict[torch.dtype, str] = {
     torch.complex64: "C64",
 }
 TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+assert set(TORCH_DTYPES) <= set(SIZES), "every codec dtype is one the one table sizes"
 
 
 def to_blob(t: torch.Tensor) -> Blob:

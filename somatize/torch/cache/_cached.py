@@ -28,6 +28,7 @@ import torch
 from ... import _holes
 from ..._errors import Refused
 from ..._keys import changed, classes_of, fingerprint, key_of_input, key_of_node
+from ..._reads import reads_of
 from ..._say import say_once
 from ._freeze import digest_of, named_state
 from ._named import Watch
@@ -68,14 +69,22 @@ class CachedForward:
         self._watch = Watch(self.module, state)
         classes = classes_of(self.module, type(self.module))  # a child's code is its too
         self.code = json.dumps(fingerprint(*classes), sort_keys=True)
+        self.reads = reads_of(classes)
+        self.state()  # a global that cannot be named is refused now, not at the first call
+
+    def state(self) -> str | None:
+        """What the module computes with, now: its state's digest and what its code reads
+        of the globals (read at every call)."""
+        reads = self.reads.now(f"module {self.path!r}", self.salt)
+        return f"{self.digest or ''}|{reads}" if reads else self.digest
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
             return self.run(*args, **kwargs)
         _refuse_trained_input(self.path, args, kwargs)
-        if self._watch is None or self._watch.changed(self.module):
+        if self._watch is None or self.reads is None or self._watch.changed(self.module):
             self.settle()  # its weights or settings were written: a new name
-        key = key_of_node(self.kind, self.digest, self.salt, [
+        key = key_of_node(self.kind, self.state(), self.salt, [
             ("", key_of_input(args[0] if len(args) == 1 and not kwargs else (args, kwargs)))])
         keeper = self.keeper()
         if key is None or keeper is None:
@@ -133,6 +142,7 @@ class CachedForward:
         state = dict(self.__dict__)
         state["_keeper"] = None  # opened again where it lands
         state["_watch"] = None  # tensors there have versions of their own: digest again
+        state["reads"] = None  # globals there are its own: read again
         return state
 
 

@@ -13,10 +13,11 @@ import torch
 from blake3 import blake3
 
 from ..._keys import digest
+from ..._memory import on_settled
 from .._codec import to_blob
 from .._state import modules_of, state_of
 from ._coupled import refuse_coupled_node
-from ._named import settings_of
+from ._named import Watch, settings_of
 
 
 def named_state(node: Any, where: str = "", salt: str | None = None
@@ -76,10 +77,44 @@ def freeze(graph) -> Any:
         for _, t in state_of(node):
             if t.is_floating_point() or t.is_complex():
                 t.requires_grad_(False)
-        node._soma_digest = state_digest(node, n, graph.memory.cached.get(n))
+        settle(node, n, graph.memory.cached.get(n))
     if graph.memory.mapped:
         for n in sorted(graph.memory.mapped):
             refuse_coupled_node(n, graph.catalog[n])
     return graph
 
 
+
+
+class _Settled:
+    """What a node's digest was taken over, watched (see ``Watch``); it stays in the
+    process: pickled, it arrives empty (a worker's copy was digested where it was frozen)."""
+
+    def __init__(self, node: Any, n: str, salt: str | None):
+        self.n, self.salt = n, salt
+        state = state_of(node)
+        mods = [m for _, m in modules_of(node)]
+        self.watches = [(m, Watch(m, state if i == 0 else [])) for i, m in enumerate(mods)]
+
+    def changed(self) -> bool:
+        return any(w.changed(m) for m, w in self.watches)
+
+    def __reduce__(self):
+        return (_Settled.__new__, (_Settled,))
+
+
+def settle(node: Any, n: str, salt: str | None) -> None:
+    """Digest a frozen node's state and settings, and watch them for a later change."""
+    node._soma_digest = state_digest(node, n, salt)
+    node._soma_settled = _Settled(node, n, salt)
+
+
+def _settle_again(node: Any) -> None:
+    # after freeze(g): weights loaded again, a setting written -> a new digest, a new name
+    settled = getattr(node, "_soma_settled", None)
+    if isinstance(settled, _Settled) and getattr(settled, "watches", None) is not None \
+            and settled.changed():
+        settle(node, settled.n, settled.salt)
+
+
+on_settled(_settle_again)

@@ -5,12 +5,14 @@ that changing one changes the key of what it produces.
     pieces, tensors = settings_of(body, "body")   # ["0.eps=f:1e-05", ...], [("0.mask", t)]
 
 A setting is named by value when it is plain data: None, bools, numbers, strings, bytes,
-``torch.dtype``/``torch.device``, enums, functions (by their qualified name), dataclass
-instances of those, and tuples, lists, sets and dicts of them. A tensor that is not a
+``torch.dtype``/``torch.device``, enums, functions (yours by their code, constants,
+defaults and closure cells; a package's by its name and code), dataclass instances of
+those, and tuples, lists, sets and dicts (in their order) of them. A tensor that is not a
 parameter or buffer is state: its content is digested with the rest. What cannot be named
 (an arbitrary object) is refused, naming the attribute and what to do, unless ``salt``
-says the caller names it. The autocast state of the call is registered here as part of
-every key (``somatize._keys.call_state``), on both routes.
+says the caller names it. The autocast state and the math settings of the call
+(``math_state``) are registered here as part of every key (``somatize._keys.call_state``),
+on both routes. ``Watch`` tells at each call whether any of it may have changed.
 """
 
 from __future__ import annotations
@@ -22,10 +24,18 @@ import weakref
 from typing import Any
 
 import torch
-from blake3 import blake3
 
 from ..._errors import Refused
 from ..._keys import call_state
+from ..._reads import (
+    Unnamed,
+    class_name,
+    code_digest,
+    function_text,
+    name_value,
+    value_namer,
+    yours,
+)
 from .._private import ROUTED_CALL, own_tensors, version
 
 # the device types whose autocast state is part of every key
@@ -44,9 +54,64 @@ def autocast_state() -> str | None:
 
 call_state(autocast_state)
 
+# the process-wide settings that change what a kernel computes (or which kernel runs),
+# beside autocast in every key: matmul precision, deterministic algorithms, torch.backends'
+# flags of the CPU, and those of CUDA (cuBLAS's workspace too) where CUDA is present. The
+# thread count is not (a store shared by machines of other sizes would never hit).
+_CPU = ("float32_matmul_precision", "deterministic_algorithms", "backends.mkldnn.enabled",
+        "backends.mkldnn.matmul.fp32_precision", "backends.mkldnn.conv.fp32_precision",
+        "backends.mkldnn.rnn.fp32_precision", "backends.opt_einsum.enabled",
+        "backends.nnpack.enabled")
+_readers: list | None = None
 
-class Unnamed(Exception):
-    """A setting that cannot be named by value (``.args``: its path and its type)."""
+
+def _math_readers() -> list:
+    global _readers
+    if _readers is None:
+        from .._math import _MATH  # noqa: PLC0415 - the settings that travel, shared
+
+        known = {name: read for name, read, _ in _MATH}
+        cuda = torch.cuda.is_available()
+        names = [n for n in known if n != "threads" and (cuda or n in _CPU)]
+        names += [n for n in _CPU if n not in known]
+        _readers = [(n, known.get(n) or _reader(n)) for n in names]
+    return _readers
+
+
+def _reader(path: str):
+    *owner, attr = path.split(".")
+
+    def read():
+        o: Any = torch
+        for part in owner:
+            o = getattr(o, part)
+        return getattr(o, attr)
+    return read
+
+
+def math_state() -> str:
+    """The math settings of this call, as one text (always part of a key)."""
+    got = []
+    for name, read in _math_readers():
+        try:
+            got.append(f"{name}={read()!r}")
+        except (AttributeError, RuntimeError):
+            continue
+    return "math " + ",".join(got)
+
+
+call_state(math_state)
+
+
+def _torch_value(v: Any) -> str | None:
+    if isinstance(v, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return f"{type(v).__name__}:{v}"
+    if isinstance(v, torch.Size):
+        return f"Size:{tuple(v)}"
+    return None
+
+
+value_namer(_torch_value)
 
 
 def settings_of(module: torch.nn.Module, where: str,
@@ -60,7 +125,7 @@ def settings_of(module: torch.nn.Module, where: str,
     pieces: list[str] = []
     tensors: list[tuple[str, torch.Tensor]] = []
     for prefix, m in module.named_modules(remove_duplicate=False):
-        pieces.append(f"{prefix}:class={type(m).__module__}.{type(m).__qualname__}")
+        pieces.append(f"{prefix}:class={class_name(type(m))}")
         for k, v in vars(m).items():
             if k in _BOOKKEEPING or k.startswith("_soma") or _ours(k, v):
                 continue
@@ -105,27 +170,25 @@ def _named(v: Any, name: str, tensors: list, depth: int) -> str:
         return _named(v(), name, tensors, depth + 1)  # an RNN's _flat_weight_refs
     if isinstance(v, torch.nn.Module):
         return "module"  # walked as a module of its own
-    if isinstance(v, types.FunctionType):  # an activation held as a function: its code
-        return f"code:{v.__module__}.{v.__qualname__}:{blake3(v.__code__.co_code).hexdigest()}"
-    if isinstance(v, types.MethodType):
-        on = type(v.__self__).__qualname__
-        return f"method:{on}.{_named(v.__func__, name, tensors, depth + 1)}"
-    if isinstance(v, (types.BuiltinFunctionType, type)):
-        return f"code:{v.__module__}.{v.__qualname__}"
+    if isinstance(v, types.FunctionType):  # an activation held as a function, a lambda:
+        # its code, constants, defaults and closure cells (by value, tensors as state)
+        if not yours(v.__code__):  # an installed package's (F.relu): its version names it
+            return f"code:{v.__module__}.{v.__qualname__}:{code_digest(v.__code__)}"
+        return function_text(v, name, depth, lambda x, w, d: _named(x, w, tensors, d))
     if isinstance(v, (tuple, list, set, frozenset)):
         items = [_named(x, f"{name}[{i}]", tensors, depth + 1) for i, x in enumerate(v)]
         if isinstance(v, (set, frozenset)):
             items.sort()
         return f"{type(v).__name__}[{','.join(items)}]"
-    if isinstance(v, dict):
-        items = sorted(f"{_named(k, name, tensors, depth + 1)}:"
-                       f"{_named(x, f'{name}[{k!r}]', tensors, depth + 1)}" for k, x in v.items())
-        return f"dict[{','.join(items)}]"
+    if isinstance(v, dict):  # in its order: code that iterates it sees that order
+        return "dict[" + ",".join(f"{_named(k, name, tensors, depth + 1)}:"
+                                  f"{_named(x, f'{name}[{k!r}]', tensors, depth + 1)}"
+                                  for k, x in v.items()) + "]"
     if dataclasses.is_dataclass(v) and not isinstance(v, type):
         items = [f"{f.name}={_named(getattr(v, f.name), f'{name}.{f.name}', tensors, depth + 1)}"
                  for f in dataclasses.fields(v)]
         return f"{type(v).__module__}.{type(v).__qualname__}({','.join(items)})"
-    raise Unnamed(name, type(v).__qualname__)
+    return name_value(v, name, depth, lambda x, w, d: _named(x, w, tensors, d))
 
 
 class Watch:
@@ -136,11 +199,33 @@ class Watch:
     def __init__(self, module: torch.nn.Module, state: list[tuple[str, torch.Tensor]]):
         self.versions = [(t, version(t)) for _, t in state]
         self.seen = _seen(module)
+        self.inner = _inner(module)  # what mutable attributes hold, by value
 
     def changed(self, module: torch.nn.Module) -> bool:
         """Whether the module may compute differently than when this watch was set."""
         return any(version(t) != v for t, v in self.versions) or not _same(
-            _seen(module), self.seen)
+            _seen(module), self.seen) or _inner(module) != self.inner
+
+
+def _mutable(v: Any) -> bool:
+    # what can change under an unchanged identity: its text is compared at every call
+    return isinstance(v, (types.FunctionType, types.MethodType)) or (
+        dataclasses.is_dataclass(v) and not isinstance(v, type)) or (
+        type(v) in (dict, list, set) and any(not isinstance(x, (int, float, str, bool))
+                                             for x in (*v, *(v.values() if type(v) is dict
+                                                             else ()))))
+
+
+def _inner(module: torch.nn.Module) -> list:
+    out = []
+    for m in module.modules():
+        for k, v in m.__dict__.items():
+            if k not in _BOOKKEEPING and not _ours(k, v) and _mutable(v):
+                try:
+                    out.append((id(m), k, _named(v, k, [], 0)))
+                except Unnamed:
+                    out.append((id(m), k, None))
+    return out
 
 
 def _seen(module: torch.nn.Module) -> list:

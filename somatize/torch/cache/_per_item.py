@@ -29,21 +29,20 @@ from blake3 import blake3
 
 from ..._errors import Refused
 from ..._keys import changed, digest, state_of_call
-from ..._memory import state_digest
-from ..._naming import _fingerprint_of
+from ..._naming import _fingerprint_of, live_state
 from ..._node import kind_of
 from ..._say import say_once
 from ..._values import Opaque, bare
 from ...store._items import Items, Space
+from .._codec import DTYPES as CODEC_DTYPES
+from .._codec import TORCH_DTYPES
 from .._state import modules_of
 from ._cached import CachedForward, _refuse_trained_input
 from ._coupled import refuse_coupled, refuse_coupled_node
 
 CONTEXT = "somatize 2026-12 per-item key v1"
-NAMES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
-         torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-         torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
-DTYPES = {v: k for k, v in NAMES.items()}
+NAMES, DTYPES = CODEC_DTYPES, TORCH_DTYPES  # the codec's one table: torch dtype <-> name
+CHUNK = 32  # misses are computed in batches of this many rows (padded): docs/per-item.md
 
 
 def module_key(kind: str, state: str | None, salt: str | None) -> str:
@@ -97,8 +96,10 @@ class PerItem:
         salt: what the key cannot see, as ``.cached(salt=)``.
     """
 
-    def __init__(self, name: str, kind: str, store: Any, salt: str | None = None):
-        self.name, self.kind, self.salt = name, kind, salt
+    def __init__(self, name: str, kind: str, store: Any, salt: str | None = None,
+                 exact: bool = False):
+        self.name, self.kind, self.salt, self.exact = name, kind, salt, exact
+        self.rows_of: dict[tuple, tuple[int, ...]] = {}  # input row layout -> output row
         self.store = store
         self.hits = 0
         self.misses = 0
@@ -157,19 +158,22 @@ class PerItem:
         self.hits += nhit
         self.misses += n - nhit
         out = None
+        layout = (x.dtype, tuple(x.shape[1:]))  # what its rows' keys were derived under
         if todo:
             sub = x if len(todo) == n else x[torch.tensor(todo, device=x.device)]
-            out = self._checked(run(sub), len(todo), rows if hit else None)
+            out = self._checked(self._chunked(run, sub, x, todo), len(todo), rows if hit else None,
+                                layout)
             kept = out.detach()
             kept = (kept.cpu() if kept.device.type != "cpu" else kept).contiguous()
-            space.put([keys[i] for i in todo], NAMES[out.dtype], self.row,
+            space.put([keys[i] for i in todo], NAMES[out.dtype], self.rows_of[layout],
                       kept.reshape(len(todo), -1).view(torch.uint8).numpy())
             dtype, dev = out.dtype, out.device
             self.device = dev
         else:
             dtype = DTYPES[rows.dtype]
-            self.row = self.row if self.row is not None else rows.row
+            self.rows_of.setdefault(layout, tuple(rows.row))
             dev = self.device or device or x.device
+        self.row = self.rows_of[layout]
         result = torch.empty((n, *self.row), dtype=dtype, device=dev)
         for buf, slots, at in rows.parts if hit else ():  # a pack's rows at once
             src = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(-1, *rows.row)
@@ -181,18 +185,62 @@ class PerItem:
                 torch.tensor([where[keys[i]] for i in miss], device=out.device)].to(dev)
         return result, bool(todo)
 
-    def _checked(self, out: Any, n: int, rows: Any) -> torch.Tensor:
-        """Refuse an output that is not rows of the batch, or whose rows changed shape."""
+    def _chunked(self, run: Callable[[torch.Tensor], Any], sub: torch.Tensor,
+                 x: torch.Tensor, todo: list[int]) -> Any:
+        """``run`` over ``sub`` in chunks of ``CHUNK`` rows, the last one padded with copies
+        of its last row: every row is computed in a batch of the same size, so its value
+        does not depend on the batch it came in (on kernels whose rows depend only on the
+        batch's size: docs/per-item.md). With ``exact``, checked against ``x`` computed
+        as it came, and refused where they differ."""
+        n = sub.shape[0]
+        outs = []
+        for at in range(0, n, CHUNK):
+            part = sub[at:at + CHUNK]
+            short = CHUNK - part.shape[0]
+            if short:
+                part = torch.cat([part, part[-1:].expand(short, *part.shape[1:])])
+            y = run(part)
+            if not isinstance(y, torch.Tensor) or y.dim() == 0 or y.shape[0] != CHUNK:
+                return self._checked(y, CHUNK, None, None, n)  # refused, naming what it gave
+            outs.append(y[:CHUNK - short] if short else y)
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self.exact:
+            self._check_exact(run, x, todo, out)
+        return out
+
+    def _check_exact(self, run, x: torch.Tensor, todo: list[int], out: torch.Tensor) -> None:
+        whole = run(x)  # the batch as it came, as a run without the store computes it
+        if isinstance(whole, torch.Tensor) and whole.shape[1:] == out.shape[1:]:
+            whole = whole[torch.tensor(todo, device=whole.device)]
+            if torch.equal(whole, out):
+                return
+        differ = (whole != out).reshape(out.shape[0], -1).any(1).nonzero().flatten().tolist() \
+            if isinstance(whole, torch.Tensor) and whole.shape == out.shape else []
+        raise Refused(
+            f"{self.name!r} is kept per item with exact=True, but its rows depend on the batch "
+            f"they are computed in: in this batch of {x.shape[0]} rows, rows {differ[:8]} of "
+            f"its misses differ from the same rows computed in chunks of {CHUNK} (the last "
+            "bits, on these "
+            "kernels), so a kept row would not equal what computing this batch again gives. "
+            "Per item gives each item's value as first computed, in a chunk of "
+            f"{CHUNK}: drop exact=True to accept that, or keep it per batch (leave out "
+            "per_item=True / .mapped())")
+
+    def _checked(self, out: Any, n: int, rows: Any, layout: Any,
+                 misses: int | None = None) -> torch.Tensor:
+        """Refuse an output that is not rows of the batch, or whose rows changed shape
+        (``misses``: how many of the ``n`` rows it was given were the batch's)."""
         if not isinstance(out, torch.Tensor) or out.dim() == 0 or out.shape[0] != n \
                 or out.dtype not in NAMES:
             got = (f"a {tuple(out.shape)} {out.dtype} tensor" if isinstance(out, torch.Tensor)
                    else f"a {type(out).__name__}")
             raise Refused(
-                f"{self.name!r} is kept per item, but for a batch of {n} it returned {got}: "
+                f"{self.name!r} is kept per item, but for a batch of {misses or n} it returned "
+                f"{got}{_given(n) if misses else ''}: "
                 f"per item needs a tensor whose dim 0 is the batch ({n} rows). Keep it per "
                 "batch (leave out per_item=True / .mapped())")
         row = tuple(out.shape[1:])
-        seen = self.row if self.row is not None else (rows.row if rows is not None else None)
+        seen = self.rows_of.get(layout, rows.row if rows is not None else None)
         if seen is not None and row != tuple(seen):
             raise Refused(
                 f"{self.name!r} is kept per item, but its output rows were {list(seen)} and "
@@ -203,8 +251,13 @@ class PerItem:
             raise Refused(
                 f"{self.name!r} is kept per item, and its kept rows are {rows.dtype} but it "
                 f"now returns {out.dtype} under the same name: give it another salt or store")
-        self.row = row
+        if layout is not None:
+            self.rows_of[layout] = row
         return out
+
+
+def _given(n: int) -> str:
+    return f" for the {n} rows it was given (misses are computed in chunks of {n})"
 
 
 def _check_code(name: str, kind: str, then: str | None, now: str | None) -> None:
@@ -238,7 +291,7 @@ class PerItemForward(CachedForward):
     """
 
     def __init__(self, module: torch.nn.Module, path: str, store: Any, previous: Any = None,
-                 salt: str | None = None):
+                 salt: str | None = None, exact: bool = False):
         refuse_coupled(module, path)
         super().__init__(module, path, store, previous, salt)
         if items_of(self.store) is None:
@@ -246,7 +299,7 @@ class PerItemForward(CachedForward):
                 f"module {path!r} is kept per item, which needs a store directory (its packs "
                 f"and index are files), not a {type(store).__name__}: give SomatizeCache "
                 "store='/scratch/soma' or a somatize.store.Store")
-        self.item = PerItem(path, self.kind, self.store, salt)
+        self.item = PerItem(path, self.kind, self.store, salt, exact)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self.active:
@@ -259,9 +312,9 @@ class PerItemForward(CachedForward):
                 "(SomatizeCache without per_item=True)")
         _refuse_trained_input(self.path, args, kwargs)
         refuse_coupled(self.module, self.path)
-        if self._watch is None or self._watch.changed(self.module):
+        if self._watch is None or self.reads is None or self._watch.changed(self.module):
             self.settle()  # its weights or settings were written: a new name
-        out, _ = self.item(args[0], self.run, self.digest, {"fingerprint": self.code},
+        out, _ = self.item(args[0], self.run, self.state(), {"fingerprint": self.code},
                            _device_of(self.module))
         self.hits, self.misses = self.item.hits, self.item.misses
         return out
@@ -287,7 +340,7 @@ def answer_mapped(graph, n: str, node: Any, x: Any, keeper: Any, run) -> tuple[A
         return bare(y)
 
     dev = next((d for _, m in modules if (d := _device_of(m)) is not None), None)
-    out, ran = item(bare(x), compute, state_digest(node),
+    out, ran = item(bare(x), compute, live_state(n, node, graph.memory.cached.get(n)),
                     {"fingerprint": _fingerprint_of(node)}, dev)
     return (Opaque(out) if (opaque[0] if opaque else wrapped) else out), ran
 
@@ -299,3 +352,18 @@ def mapped_counts(graph) -> tuple[int, int]:
         for item in _nodes.get(graph.catalog[n], {}).values():
             hits, misses = hits + item.hits, misses + item.misses
     return hits, misses
+
+
+def say_if_never_hit(graph, epoch: int, before: tuple[int, int]) -> None:
+    """After an epoch past the first (counted from 0) in which the graph's ``.mapped()``
+    nodes found none of their items: say once that the store only grows (augmentation
+    before the cached node, most likely)."""
+    hits, misses = mapped_counts(graph)
+    hits, misses = hits - before[0], misses - before[1]
+    if epoch < 1 or hits or not misses:
+        return
+    say_once(("per item never hits", id(graph)),
+             f"epoch {epoch + 1} found none of its {misses} items in the store, which grew by "
+             f"as many rows: the inputs of {sorted(graph.memory.mapped)} are new every epoch "
+             "(random augmentation before the cached node, most likely), so nothing kept is "
+             "ever read again. Cache the output before the augmentation, or leave it uncached")

@@ -38,6 +38,7 @@ from ..._memory import has_state
 from ..._trace import span
 from .._state import restore, snapshot
 from .._tracer import Tracer
+from ..cache._per_item import mapped_counts, say_if_never_hit
 from ._pipeline import Pipeline
 from ._step import Step
 
@@ -194,6 +195,7 @@ class Trainer:
         for epoch in range(epochs):
             bar.set_description(f"epoch {epoch + 1}/{epochs}", refresh=False)
             total, seen = 0.0, 0
+            counts = mapped_counts(self.graph)  # per-item hits and misses before the epoch
             for batch in data:
                 losses.append(self.step(batch))
                 total, seen = total + losses[-1], seen + 1
@@ -201,6 +203,7 @@ class Trainer:
                 bar.update()
             log.info("epoch %d/%d: mean loss %.6f over %d steps", epoch + 1, epochs,
                      total / max(seen, 1), seen)
+            say_if_never_hit(self.graph, epoch, counts)
 
     # -- what was trained -----------------------------------------------------------------
     def state_dict(self) -> dict:

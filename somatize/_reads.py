@@ -1,0 +1,329 @@
+"""What a node's code reads besides its input and its own attributes, named by value: the
+globals its methods (and the user's functions they call) load, read again at every call,
+so a changed module-level setting is a new key, never a stale hit.
+
+    reads = reads_of((Encoder,))          # built once per tree of classes: the references
+    reads.now("node 'enc'", salt=None)   # "CFG=dict[...];config.GAIN=float:2.0;..."
+
+A reference is a global name and the attributes read off it while it is a module
+(``config.GAIN``, ``np.pi``). Its value is named by ``name_value``: plain data (None, bools,
+numbers, strings, bytes, enums, tuples, lists, sets, dicts, dataclasses of them) by value,
+an object with a codec (a tensor) by its content, a class, module or built-in by its
+qualified name, a function by its qualified name, defaults and closure cells (its code is
+in the fingerprint). Anything else is refused naming the global, unless a salt names it.
+Only code outside the installed packages and the standard library is walked (yours).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import dis
+import enum
+import logging
+import os
+import sys
+import sysconfig
+import types
+from collections.abc import Callable
+from typing import Any
+
+from blake3 import blake3
+
+from ._errors import Refused
+from ._values import codec_for
+
+_MAX_DEPTH = 8
+# where installed and standard code lives: its functions are not walked (not yours)
+_LIBRARY = tuple(
+    os.path.realpath(p) + os.sep
+    for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "platstdlib", "purelib",
+                                                     "platlib")} if p)
+_LIBRARY_MODULES = ("somatize", "torch", "lightning", "numpy", "builtins")
+
+# namers for types the core does not know (torch.dtype, torch.device), registered by
+# somatize.torch: each answers a text for a value it names, None otherwise
+_namers: list[Callable[[Any], str | None]] = []
+
+
+def value_namer(read: Callable[[Any], str | None]) -> None:
+    """Register ``read``: a text naming a value of a type the core does not know."""
+    if read not in _namers:
+        _namers.append(read)
+
+
+class Unnamed(Exception):
+    """A value that cannot be named by value (``.args``: its path and its type)."""
+
+
+def yours(code: types.CodeType) -> bool:
+    """Whether ``code`` is the user's (not an installed package's, nor the stdlib's)."""
+    f = code.co_filename
+    if f.startswith("<"):
+        return True  # exec'd or interactive: the user's
+    return not os.path.realpath(f).startswith(_LIBRARY)
+
+
+def code_digest(code: types.CodeType) -> str:
+    """A digest of a code object: bytecode, constants (nested code too), names."""
+    h = blake3(code.co_code)
+    h.update(repr(code.co_names).encode())
+    for c in code.co_consts:
+        h.update((code_digest(c) if isinstance(c, types.CodeType) else repr(c)).encode())
+    return h.hexdigest()[:32]
+
+
+def name_value(v: Any, where: str, depth: int = 0,
+               inner: Callable[[Any, str, int], str] | None = None) -> str:
+    """A value as text that differs whenever it does; raises ``Unnamed`` otherwise.
+    ``inner`` names the values inside containers (default: this function)."""
+    again = inner or name_value
+    if depth > _MAX_DEPTH:
+        raise Unnamed(where, "structure nested too deep")
+    if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+        return f"{type(v).__name__}:{v!r}"
+    if isinstance(v, enum.Enum):
+        return f"enum:{type(v).__module__}.{type(v).__qualname__}.{v.name}"
+    for read in _namers:
+        got = read(v)
+        if got is not None:
+            return got
+    if isinstance(v, (type, types.ModuleType, types.BuiltinFunctionType)):
+        return f"name:{getattr(v, '__module__', '')}.{getattr(v, '__qualname__', v.__name__)}"
+    if isinstance(v, types.FunctionType):
+        if not yours(v.__code__) or v.__module__.startswith(_LIBRARY_MODULES):
+            return f"name:{v.__module__}.{v.__qualname__}"  # a library's: its version names it
+        return function_text(v, where, depth, again)
+    if type(v) is object or isinstance(v, (logging.Logger, logging.LoggerAdapter)):
+        return f"name:{type(v).__qualname__}"  # a sentinel, a logger: nothing computed
+    if isinstance(v, types.MethodType):
+        return f"method:{type(v.__self__).__qualname__}.{again(v.__func__, where, depth + 1)}"
+    if isinstance(v, (tuple, list, set, frozenset)):
+        items = [again(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+        if isinstance(v, (set, frozenset)):
+            items.sort()
+        return f"{type(v).__name__}[{','.join(items)}]"
+    if isinstance(v, dict):  # in their order: code that iterates a dict sees it
+        return "dict[" + ",".join(f"{again(k, where, depth + 1)}:"
+                                  f"{again(x, f'{where}[{k!r}]', depth + 1)}"
+                                  for k, x in v.items()) + "]"
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        items = [f"{f.name}={again(getattr(v, f.name), f'{where}.{f.name}', depth + 1)}"
+                 for f in dataclasses.fields(v)]
+        return f"{type(v).__module__}.{type(v).__qualname__}({','.join(items)})"
+    c = codec_for(v)
+    if c is not None:
+        try:
+            blob = c.dump(v)
+            h = blake3(f"{c.kind}{blob.dtype}{list(blob.shape)}".encode())
+            h.update(memoryview(blob.data).cast("B"))
+            return f"{c.kind}:{h.hexdigest()[:32]}"
+        except Exception:  # noqa: BLE001 - a codec refusing it: unnamed, said below
+            pass
+    raise Unnamed(where, type(v).__qualname__)
+
+
+def function_text(fn: types.FunctionType, where: str, depth: int,
+                  inner: Callable[[Any, str, int], str]) -> str:
+    """A function by its name, code, defaults and closure cells (by value)."""
+    parts = [f"fn:{fn.__module__}.{fn.__qualname__}:{code_digest(fn.__code__)}"]
+    for i, d in enumerate(fn.__defaults__ or ()):
+        parts.append(inner(d, f"{where}.__defaults__[{i}]", depth + 1))
+    for k, d in sorted((fn.__kwdefaults__ or {}).items()):
+        parts.append(f"{k}={inner(d, f'{where}.__kwdefaults__[{k!r}]', depth + 1)}")
+    for var, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=True):
+        try:
+            content = cell.cell_contents
+        except ValueError:  # a cell not yet filled
+            content = None
+        parts.append(f"{var}={inner(content, f'{where} (closure {var!r})', depth + 1)}")
+    return "(" + ";".join(parts) + ")"
+
+
+class Reads:
+    """The globals a tree of classes' code reads (and the user's functions it calls)."""
+
+    def __init__(self, refs: list[tuple[str, dict, str, tuple[str, ...]]]):
+        self.refs = refs  # (who reads it, its globals, the name, attributes read off it)
+
+    def now(self, who_runs: str, salt: str | None) -> str:
+        """What they hold now, as one text; refused for one that cannot be named (left
+        out when ``salt`` names what the key cannot see)."""
+        out = []
+        for who, g, name, chain in self.refs:
+            if name not in g:
+                continue  # a builtin (or not yet defined): not the user's data
+            v, path = g[name], name
+            for attr in chain:
+                if not isinstance(v, types.ModuleType) or not hasattr(v, attr):
+                    break
+                v, path = getattr(v, attr), f"{path}.{attr}"
+            if isinstance(v, (type, types.ModuleType, types.BuiltinFunctionType)):
+                continue  # code, not data: the fingerprint beside the value names it
+            try:
+                text = name_value(v, path)
+                if not text.startswith("name:"):
+                    out.append(f"{path}={text}")
+            except Unnamed as e:
+                if salt is not None:
+                    continue
+                what, kind = e.args
+                raise Refused(
+                    f"{who_runs}: {who} reads the global {what!r}, a {kind}, which the key "
+                    "of its cached outputs cannot name (a change to it would serve stale "
+                    "outputs). Make it plain data (a number, string, tuple, dict, dataclass), "
+                    "pass it as an attribute or buffer, or give it a salt= "
+                    "(.cached(salt=...), SomatizeCache(salt=...)) that you change whenever "
+                    "it changes what the node computes") from None
+        return ";".join(sorted(set(out)))
+
+
+_built: dict[tuple[type, ...], Reads] = {}
+
+
+def reads_of(classes: tuple[type, ...]) -> Reads:
+    """The globals read by the code of ``classes`` (built once per tuple of classes)."""
+    got = _built.get(classes)
+    if got is None:
+        got = _built[classes] = Reads(_references(classes))
+    return got
+
+
+def _references(classes: tuple[type, ...]) -> list:
+    refs: list = []
+    seen_code: set[int] = set()
+    todo: list[tuple[str, types.FunctionType]] = []
+    seen: set[type] = set()
+    for klass in (k for c in classes for k in c.__mro__):
+        if klass in seen or klass is object or klass.__module__.startswith(_LIBRARY_MODULES):
+            continue
+        seen.add(klass)
+        for name, attr in vars(klass).items():
+            fn = getattr(attr, "__func__", attr)
+            if isinstance(fn, property):
+                fn = fn.fget
+            if isinstance(fn, types.FunctionType):
+                todo.append((f"{klass.__qualname__}.{name}", fn))
+    written: set[tuple[int, str]] = set()  # (id of its globals, name)
+    while todo:
+        who, fn = todo.pop()
+        if id(fn.__code__) in seen_code or not yours(fn.__code__) or (
+                fn.__module__ or "").startswith(_LIBRARY_MODULES):
+            continue
+        seen_code.add(id(fn.__code__))
+        written |= {(id(fn.__globals__), n) for n in globals_written(fn.__code__)}
+        for name, chain in _globals_loaded(fn.__code__):
+            refs.append((who, fn.__globals__, name, chain))
+            v = fn.__globals__.get(name)
+            if isinstance(v, types.FunctionType):
+                todo.append((f"{v.__qualname__} (called by {who})", v))
+    # a global the code writes into is its bookkeeping (a counter, a log), not an input
+    return [r for r in refs if (id(r[1]), r[2]) not in written]
+
+
+def _globals_loaded(code: types.CodeType) -> list[tuple[str, tuple[str, ...]]]:
+    out = []
+    ins = list(dis.get_instructions(code))
+    for i, op in enumerate(ins):
+        if op.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+            chain = []
+            for nxt in ins[i + 1:]:
+                if nxt.opname not in ("LOAD_ATTR", "LOAD_METHOD"):
+                    break
+                chain.append(str(nxt.argval))
+            out.append((str(op.argval), tuple(chain)))
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out += _globals_loaded(c)
+    return out
+
+
+# methods that change the object they are called on: a global called so is written
+_MUTATORS = frozenset({"append", "extend", "insert", "add", "update", "setdefault", "pop",
+                       "popitem", "clear", "remove", "discard", "__setitem__", "write"})
+_NO_PUSH = ("STORE_", "DELETE_", "POP_JUMP", "JUMP", "PRECALL", "KW_NAMES", "NOP", "RESUME",
+            "CACHE", "EXTENDED_ARG", "POP_TOP", "RETURN_VALUE", "POP_EXCEPT", "RAISE",
+            "RERAISE", "PRINT_EXPR", "SETUP_", "END_")
+
+
+def globals_written(code: types.CodeType) -> set[str]:
+    """The globals ``code`` writes into: assigned (``global n; n = ...``), an item or an
+    attribute set or deleted on them (``RUNS[k] += 1``), or a mutating method called on
+    them (``LOG.append``). Found by following each global along a simulated stack: only
+    clear evidence counts, so a global merely read is never taken for written."""
+    out: set[str] = set()
+    stack: list[str | None] = []
+    ins = list(dis.get_instructions(code))
+    for op in ins:
+        name = op.opname
+        if name in ("STORE_GLOBAL", "DELETE_GLOBAL"):
+            out.add(str(op.argval))
+        if name == "LOAD_METHOD" and stack and stack[-1] and str(op.argval) in _MUTATORS:
+            out.add(stack[-1])
+        if name in ("STORE_SUBSCR", "DELETE_SUBSCR") and len(stack) >= 2 and stack[-2]:
+            out.add(stack[-2])
+        if name in ("STORE_ATTR", "DELETE_ATTR") and stack and stack[-1]:
+            out.add(stack[-1])
+        try:
+            effect = dis.stack_effect(op.opcode, op.arg if op.opcode >= dis.HAVE_ARGUMENT
+                                      else None, jump=False)
+        except ValueError:
+            stack = []
+            continue
+        if name == "COPY":
+            stack.append(stack[-op.arg] if len(stack) >= op.arg else None)
+            continue
+        if name == "SWAP":
+            if len(stack) >= op.arg:
+                stack[-1], stack[-op.arg] = stack[-op.arg], stack[-1]
+            continue
+        if name in ("LOAD_GLOBAL", "LOAD_NAME"):
+            stack += [None] * (effect - 1) + [str(op.argval)]
+            continue
+        if name == "LOAD_METHOD":
+            pops, pushes = 1, 2
+        elif name.startswith("UNPACK_"):
+            pops, pushes = 1, effect + 1
+        elif name.startswith(_NO_PUSH):
+            pops, pushes = -effect, 0
+        elif effect >= 1:
+            pops, pushes = 0, effect
+        else:
+            pops, pushes = 1 - effect, 1
+        if pops > len(stack) or pops < 0:
+            stack = []  # lost track (a jump's other side): start again, knowing nothing
+            continue
+        if pops:
+            del stack[-pops:]
+        stack += [None] * pushes
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out |= globals_written(c)
+    return out
+
+
+def script_name(cls: type) -> str:
+    """A class's module as the same dotted name whether its file runs as the script
+    (``__main__``) or is imported: the script's path from the first ``sys.path`` entry
+    that holds it, else its file name."""
+    mod = cls.__module__
+    if mod != "__main__":
+        return mod
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return spec.name  # python -m pkg.mod
+    f = getattr(main, "__file__", None)
+    if not f:
+        return mod
+    f = os.path.realpath(f)
+    for p in sys.path:
+        base = os.path.realpath(p or os.getcwd()) + os.sep
+        if f.startswith(base):
+            rel = os.path.splitext(f[len(base):])[0]
+            return rel.replace(os.sep, ".")
+    return os.path.splitext(os.path.basename(f))[0]
+
+
+def class_name(cls: type) -> str:
+    """``module.Qualname`` of a class, the same when its file runs as the script."""
+    return f"{script_name(cls)}.{cls.__qualname__}"

@@ -1,0 +1,20 @@
+"""Several data owners sharing one server part (SplitFed V1 and V2), exactly, across
+organizations: each owner runs its own Lightning fit; a hub holds the shared module.
+
+    study = Study("studies/ct-2027.toml", hub="hub:7443", owner="hospital-a",
+                  identity="hospital-a.pem", ca="ca.pem")
+    trainer = pl.Trainer(strategy=SomatizeStrategy(place={"trunk": study.shared}))
+
+``docs/splitfed.md`` has the whole story: the hub, what crosses, the oracles.
+"""
+
+from ._average import average
+from ._config import StudyConfig
+from ._frames import FrameError
+from ._link import HubRefused
+from ._replay import Run, load_round, replay, schedule, simulate
+from ._seeds import generator_seed
+from ._study import Shared, Study, shared_place
+
+__all__ = ["FrameError", "HubRefused", "Run", "Shared", "Study", "StudyConfig", "average",
+           "generator_seed", "load_round", "replay", "schedule", "shared_place", "simulate"]

@@ -1,0 +1,72 @@
+"""``somatize hub`` (serve studies' shared modules) and ``somatize fed`` (a study's
+certificates).
+
+    somatize fed ca pki/                          # the study's CA: pki/ca.pem, pki/ca.key
+    somatize fed cert pki/ hub hospital-a hospital-b
+    somatize hub --study ct-2027.toml --listen 0.0.0.0:7443 --identity pki/hub.pem \\
+        --ca pki/ca.pem --checkpoints /srv/somatize/fed
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+
+
+def hub_main(argv: list[str]) -> int:
+    """Serve the studies given until SIGTERM or Ctrl-C."""
+    ap = argparse.ArgumentParser(prog="somatize hub", description=hub_main.__doc__)
+    ap.add_argument("--study", action="append", required=True, help="a study's TOML file")
+    ap.add_argument("--listen", required=True, help="HOST:PORT (port 0: any free port)")
+    ap.add_argument("--identity", required=True, help="the hub's .pem (somatize fed cert)")
+    ap.add_argument("--ca", required=True, help="the study's CA certificate")
+    ap.add_argument("--checkpoints", help="write each round barrier's state here")
+    ap.add_argument("--resume", action="store_true", help="start from the last barrier there")
+    ap.add_argument("--audit", help="write one JSON line per message received here")
+    ap.add_argument("--ready", help="write the port listened on to this file once serving")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s hub %(message)s")
+    from ._config import StudyConfig
+    from ._hub import StudyHub
+    from ._link import serve
+
+    hubs = {}
+    for path in args.study:
+        cfg = StudyConfig.load(path)
+        hubs[cfg.name] = StudyHub(cfg, args.checkpoints, resume=args.resume)
+    server = serve(hubs, args.listen, args.identity, args.ca, audit=args.audit)
+    host = args.listen.rpartition(":")[0]
+    print(f"somatize hub: studies {sorted(hubs)} on {host}:{server.port}", flush=True)
+    if args.ready:
+        tmp = Path(args.ready + ".tmp")
+        tmp.write_text(str(server.port))
+        tmp.rename(args.ready)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        stop.wait()
+    except KeyboardInterrupt:
+        pass
+    server.stop(1).wait(5)
+    return 0
+
+
+def fed_main(argv: list[str]) -> int:
+    """``ca DIR``: make a study's CA; ``cert DIR NAME...``: a certificate per party."""
+    from ._certs import issue, make_ca
+
+    if len(argv) >= 2 and argv[0] == "ca":
+        d = make_ca(argv[1])
+        print(f"study CA: {d / 'ca.pem'} (keep {d / 'ca.key'} offline)")
+        return 0
+    if len(argv) >= 3 and argv[0] == "cert":
+        make_ca(argv[1])
+        for name in argv[2:]:
+            print(f"{name}: {issue(argv[1], name)}")
+        return 0
+    print("usage: somatize fed ca DIR | somatize fed cert DIR NAME [NAME...]", file=sys.stderr)
+    return 2

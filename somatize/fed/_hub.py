@@ -1,0 +1,415 @@
+"""The hub's side of a study, whatever carries its messages: the shared module (one copy
+per owner in V1, one module in V2), its optimizer, the owner-steps, the round barriers,
+FedAvg of the owners' parts, the ledger and the checkpoints.
+
+    hub = StudyHub(StudyConfig.load("ct-2027.toml"), checkpoints="ckpt/")
+    kind, fields, tensors = hub.handle("hospital-a", "Forward", {...}, {"x": activations})
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from blake3 import blake3
+
+from ._average import average
+from ._config import StudyConfig
+from ._seeds import generator_seed, seeded
+
+log = logging.getLogger(__name__)
+
+
+class Refusal(Exception):
+    """What the hub answers instead of running a message: ``code`` and one line."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """blake3 of a tensor's bytes (the ledger's record of what crossed)."""
+    t = t.detach().contiguous()
+    return blake3(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()[:32]
+
+
+class StudyHub:
+    """One study's state on the hub; ``handle`` is thread-safe (the transport calls it
+    from its threads). ``checkpoints``: a directory, written at each round barrier."""
+
+    def __init__(self, config: StudyConfig, checkpoints: str | Path | None = None,
+                 resume: bool = False):
+        self.cfg = config
+        self.dir = Path(checkpoints) / config.name if checkpoints else None
+        self.cond = threading.Condition()
+        self.compute = threading.Lock()  # one computation at a time: the global RNG is seeded
+        self.round = 0
+        self.trunk = config.build_module()
+        self.v1 = config.schedule == "v1"
+        self.copies: dict[str, torch.nn.Module] = {}
+        self.opts: dict[str, Any] = {}
+        if not self.v1:
+            self.opts[""] = config.build_optimizer(self.trunk.parameters())
+        self.ledger: list[dict] = []
+        self.attached: set[str] = set()
+        self.gone: set[str] = set()  # excluded from the study (lost mid-round)
+        self._new_round()
+        if resume:
+            self._resume()
+
+    # -- the round's state -------------------------------------------------------------
+    def _new_round(self) -> None:
+        self.steps = {o: 0 for o in self.cfg.owners}
+        self.rows = {o: 0 for o in self.cfg.owners}
+        self.pending: dict[str, tuple[int, torch.Tensor, torch.Tensor, float]] = {}
+        self.arrived: dict[str, dict[str, torch.Tensor]] = {}
+        self.answer: dict[int, tuple[str, dict[str, torch.Tensor]]] = {}
+        self.first_arrival: float | None = None
+        self.turn: tuple[str, float] | None = None
+        self.last_turn: str | None = None
+        self.free_since = time.monotonic()
+        self.round_open: float | None = None  # when the round's first turn was asked
+        self.started = False  # a turn was taken this round
+
+    def _module(self, owner: str) -> torch.nn.Module:
+        if not self.v1:
+            return self.trunk
+        if owner not in self.copies:
+            m = copy.deepcopy(self.trunk)
+            self.copies[owner] = m
+            self.opts[owner] = self.cfg.build_optimizer(m.parameters())
+        return self.copies[owner]
+
+    def _opt(self, owner: str) -> Any:
+        return self.opts[owner if self.v1 else ""]
+
+    # -- messages ----------------------------------------------------------------------
+    def handle(self, owner: str, kind: str, fields: dict, tensors: dict[str, torch.Tensor]
+               ) -> tuple[str, dict, dict[str, torch.Tensor]]:
+        """Run one message from ``owner`` (the name its certificate proves); returns the
+        answer, or raises ``Refusal``."""
+        if owner not in self.cfg.owners:
+            raise Refusal("identity", f"{owner!r} is not an owner of study "
+                                      f"{self.cfg.name!r}")
+        claimed = fields.get("owner", owner)
+        if claimed != owner:
+            raise Refusal("identity", f"a message naming owner {claimed!r} came with "
+                                      f"{owner!r}'s certificate")
+        if kind == "Attach":
+            return self._attach(owner, fields)
+        if owner not in self.attached:
+            raise Refusal("attach", f"owner {owner!r} sent {kind} before Attach")
+        if owner in self.gone:
+            raise Refusal("excluded", f"owner {owner!r} was left out of study "
+                                      f"{self.cfg.name!r} (lost mid-round); attach again "
+                                      "from the last round to come back")
+        if kind == "Forward":
+            return self._forward(owner, fields, tensors)
+        if kind == "Backward":
+            return self._backward(owner, fields, tensors)
+        if kind == "RoundEnd":
+            return self._round_end(owner, fields, tensors)
+        if kind == "Detach":
+            with self.cond:
+                self.attached.discard(owner)
+                self.cond.notify_all()
+            return "Done", {}, {}
+        raise Refusal("kind", f"an owner does not send {kind}")
+
+    def _attach(self, owner: str, fields: dict) -> tuple[str, dict, dict]:
+        cfg = self.cfg
+        for name, want in (("digest", cfg.digest()), ("precision", cfg.precision),
+                           ("schedule", cfg.schedule)):
+            got = fields.get(name)
+            if got != want:
+                raise Refusal(name, f"owner {owner!r} attaches to study {cfg.name!r} with "
+                                    f"{name} {got!r}; the hub's is {want!r}: use the study's "
+                                    "own definition")
+        with self.cond:
+            if fields.get("round") != self.round:
+                raise Refusal("round", f"owner {owner!r} attaches at round "
+                                       f"{fields.get('round')!r}; study {cfg.name!r} is at "
+                                       f"round {self.round}: resume from round {self.round}'s "
+                                       "checkpoint")
+            self.gone.discard(owner)
+            self.attached.add(owner)
+            self.cond.notify_all()
+        return "Attached", {"round": self.round, "digest": cfg.digest()}, {}
+
+    def _check_round(self, owner: str, fields: dict) -> None:
+        if fields.get("round") != self.round:
+            raise Refusal("round", f"owner {owner!r} sent round {fields.get('round')!r}; "
+                                   f"study {self.cfg.name!r} is at round {self.round}")
+
+    def _forward(self, owner: str, fields: dict, tensors: dict) -> tuple[str, dict, dict]:
+        x = tensors.get("x")
+        if x is None or len(tensors) != 1 or not x.is_floating_point():
+            raise Refusal("shape", "a Forward carries one floating tensor 'x' (the activation "
+                                   "at the cut)")
+        train = bool(fields.get("train", True))
+        if not train:  # validation or test: nothing kept, no step
+            with self.compute:
+                m = self._module(owner)
+                was = m.training
+                m.eval()
+                try:
+                    with torch.no_grad():
+                        out = m(x)
+                finally:
+                    m.train(was)
+            return "Output", {}, {"y": self._tensor_out(out)}
+        with self.cond:
+            self._check_round(owner, fields)
+            if fields.get("step") != self.steps[owner]:
+                raise Refusal("step", f"owner {owner!r} sent step {fields.get('step')!r}; "
+                                      f"the hub expects step {self.steps[owner]}")
+            if owner in self.pending:
+                raise Refusal("step", f"owner {owner!r} sent a Forward before the Backward "
+                                      f"of step {self.pending[owner][0]}")
+            if not self.v1:
+                self._take_turn(owner)
+            step = self.steps[owner]
+        with self.compute:
+            m = self._module(owner)
+            m.train()
+            leaf = x.detach().requires_grad_(True)
+            with seeded(generator_seed(self.cfg.seed_key, owner, self.round, step)):
+                with torch.enable_grad():
+                    out = m(leaf)
+        y = self._tensor_out(out)
+        with self.cond:
+            self.pending[owner] = (step, leaf, out, time.monotonic())
+        return "Output", {}, {"y": y}
+
+    @staticmethod
+    def _tensor_out(out: Any) -> torch.Tensor:
+        if not isinstance(out, torch.Tensor):
+            raise Refusal("shape", f"the shared module returned a {type(out).__name__}; the "
+                                   "study link carries one tensor out")
+        return out.detach()
+
+    def _backward(self, owner: str, fields: dict, tensors: dict) -> tuple[str, dict, dict]:
+        with self.cond:
+            got = self.pending.get(owner)
+            if got is None or got[0] != fields.get("step"):
+                raise Refusal("step", f"owner {owner!r} sent the Backward of step "
+                                      f"{fields.get('step')!r}, which is not in flight "
+                                      "(discarded past turn_timeout, or never sent)")
+            step, leaf, out, _ = self.pending.pop(owner)
+        g = tensors.get("g")
+        if g is None or len(tensors) != 1 or g.shape != out.shape or g.dtype != out.dtype:
+            raise Refusal("shape", f"a Backward carries one tensor 'g' of {tuple(out.shape)} "
+                                   f"{out.dtype}")
+        with self.compute:
+            opt = self._opt(owner)
+            out.backward(g)
+            gx = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        with self.cond:
+            self.steps[owner] = step + 1
+            self.rows[owner] += int(leaf.shape[0]) if leaf.dim() else 1
+            self.ledger.append({"round": self.round, "owner": owner, "step": step,
+                                "kind": "step", "x": tensor_digest(leaf),
+                                "g": tensor_digest(g)})
+            if self.turn is not None and self.turn[0] == owner:
+                self.turn, self.last_turn, self.free_since = None, owner, time.monotonic()
+            self.cond.notify_all()
+        return "Grad", {}, {"gx": gx.detach()}
+
+    # -- V2's turns (under self.cond) ------------------------------------------------------
+    def _stepping(self) -> list[str]:
+        return [o for o in sorted(self.cfg.owners)
+                if o not in self.arrived and o not in self.gone]
+
+    def _expire(self) -> None:
+        """A step in flight whose Backward did not come within turn_timeout is discarded
+        (no optimizer step ran) and its owner left out: lost, or too slow."""
+        now = time.monotonic()
+        for owner, (step, _, _, since) in list(self.pending.items()):
+            if now - since <= self.cfg.turn_timeout:
+                continue
+            del self.pending[owner]
+            self.ledger.append({"round": self.round, "owner": owner, "step": step,
+                                "kind": "discarded", "why": "turn_timeout"})
+            log.warning("study %s: owner %r's step %d in flight is discarded (no Backward "
+                        "within %ss); no optimizer step ran", self.cfg.name, owner, step,
+                        self.cfg.turn_timeout)
+            with self.compute:
+                self._opt(owner).zero_grad(set_to_none=True)
+            self.gone.add(owner)
+            if self.turn is not None and self.turn[0] == owner:
+                self.turn = None
+            self.free_since = now
+            self.cond.notify_all()
+
+    def _next(self, waiting: str) -> str | None:
+        stepping = self._stepping()
+        if self.cfg.order == "arrival" or not stepping:
+            return waiting
+        if self.cfg.order == "owner_sequential":
+            return stepping[0]
+        after = [o for o in stepping if self.last_turn is None or o > self.last_turn]
+        return (after or stepping)[0]
+
+    def _take_turn(self, owner: str) -> None:
+        deadline = time.monotonic() + self.cfg.round_timeout
+        if self.round_open is None:
+            self.round_open = time.monotonic()
+        while True:
+            self._expire()
+            if owner in self.gone:
+                raise Refusal("excluded", f"owner {owner!r}'s turn was discarded")
+            if self.turn is None and self.cfg.order != "arrival":
+                missing = [o for o in self.cfg.owners
+                           if o not in self.attached and o not in self.gone]
+                if missing and time.monotonic() - self.round_open < self.cfg.round_timeout:
+                    self.cond.wait(0.05)  # a fixed order starts with every owner there
+                    continue
+                if not self.started:  # the first turn's owner has turn_timeout from now
+                    self.started, self.free_since = True, time.monotonic()
+            if self.turn is None:
+                nxt = self._next(owner)
+                if nxt == owner:
+                    self.turn = (owner, time.monotonic())
+                    return
+                if time.monotonic() - self.free_since > self.cfg.turn_timeout:
+                    self.ledger.append({"round": self.round, "owner": nxt,
+                                        "step": self.steps[nxt], "kind": "skipped"})
+                    self.last_turn, self.free_since = nxt, time.monotonic()
+                    continue
+            if time.monotonic() > deadline:
+                raise Refusal("timeout", f"owner {owner!r} waited round_timeout "
+                                         f"({self.cfg.round_timeout}s) for its turn")
+            self.cond.wait(0.05)
+
+    # -- the round barrier -------------------------------------------------------------
+    def _round_end(self, owner: str, fields: dict, tensors: dict) -> tuple[str, dict, dict]:
+        with self.cond:
+            self._check_round(owner, fields)
+            if owner in self.pending:
+                raise Refusal("step", f"owner {owner!r} ends the round with step "
+                                      f"{self.pending[owner][0]} in flight")
+            r = self.round
+            self.arrived[owner] = dict(tensors)
+            if self.first_arrival is None:
+                self.first_arrival = time.monotonic()
+            self.cond.notify_all()
+            while r not in self.answer:
+                self._expire()
+                waiting = [o for o in self.cfg.owners
+                           if o not in self.arrived and o not in self.gone]
+                late = time.monotonic() - self.first_arrival > self.cfg.round_timeout
+                if not waiting or late:
+                    self._close_round(waiting)
+                    break
+                self.cond.wait(0.05)
+            if r not in self.answer:
+                raise Refusal("quorum", f"round {r} of study {self.cfg.name!r} did not reach "
+                                        f"its quorum ({self.cfg.quorum})")
+            digest, avg = self.answer[r]
+            if avg is None:
+                raise Refusal("quorum", f"round {r} of study {self.cfg.name!r} did not reach "
+                                        f"its quorum ({self.cfg.quorum})")
+            return "Average", {"round": r, "digest": digest}, avg
+
+    def _close_round(self, late: list[str]) -> None:
+        r = self.round
+        for o in late:
+            got = self.pending.pop(o, None)
+            if got is not None:
+                self.ledger.append({"round": r, "owner": o, "step": got[0], "kind": "discarded",
+                                    "why": "round_timeout"})
+            self.ledger.append({"round": r, "owner": o, "kind": "excluded"})
+            self.gone.add(o)
+            log.warning("study %s: owner %r left out of round %d (not at the barrier within "
+                        "round_timeout)", self.cfg.name, o, r)
+        taking = sorted(o for o in self.arrived if self.rows[o] > 0)
+        if len(taking) < self.cfg.quorum:
+            self.answer[r] = ("", None)  # type: ignore[assignment]
+            return
+        weights = {o: self.rows[o] for o in taking}
+        avg = average({o: self.arrived[o] for o in taking}, weights) if self.arrived[
+            taking[0]] else {}
+        if self.v1:
+            trunk = average({o: self._module(o).state_dict() for o in taking}, weights)
+            self.trunk.load_state_dict(trunk)
+            for m in self.copies.values():
+                m.load_state_dict(trunk)
+        digest = blake3(b"".join(tensor_digest(avg[k]).encode() + k.encode()
+                                 for k in sorted(avg))).hexdigest()[:32]
+        self.ledger.append({"round": r, "kind": "average", "owners": taking,
+                            "rows": weights, "digest": digest})
+        self.answer[r] = (digest, avg)
+        self.round = r + 1
+        answer = self.answer
+        self._new_round()
+        self.answer = answer
+        self._checkpoint()
+        self.cond.notify_all()
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """The hub's state at a barrier: tensors (the trunk, V1's copies, optimizer
+        tensors) and JSON (round, ledger, optimizer's other entries)."""
+        tensors = {f"trunk.{k}": v for k, v in self.trunk.state_dict().items()}
+        meta: dict[str, Any] = {"round": self.round, "ledger": self.ledger,
+                                "gone": sorted(self.gone), "opts": {}, "copies": sorted(
+                                    self.copies)}
+        for o, m in self.copies.items():
+            tensors.update({f"copy.{o}.{k}": v for k, v in m.state_dict().items()})
+        for o, opt in self.opts.items():
+            sd = opt.state_dict()
+            rest = {}
+            for pid, st in sd["state"].items():
+                for k, v in st.items():
+                    if isinstance(v, torch.Tensor):
+                        tensors[f"opt.{o}.{pid}.{k}"] = v
+                    else:
+                        rest[f"{pid}.{k}"] = v
+            meta["opts"][o] = {"groups": sd["param_groups"], "rest": rest,
+                               "keys": {str(pid): list(st) for pid, st in sd["state"].items()}}
+        return {k: v.detach().contiguous().clone() for k, v in tensors.items()}, meta
+
+    def _checkpoint(self) -> None:
+        if self.dir is None:
+            return
+        from safetensors.torch import save_file
+
+        tensors, meta = self.state()
+        d = self.dir / f"round-{self.round}"
+        d.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(d / "state.safetensors"))
+        (d / "state.json").write_text(json.dumps(meta))
+        (self.dir / "latest").write_text(str(self.round))
+
+    def _resume(self) -> None:
+        if self.dir is None or not (self.dir / "latest").exists():
+            return
+        from safetensors.torch import load_file
+
+        d = self.dir / f"round-{(self.dir / 'latest').read_text().strip()}"
+        tensors = load_file(str(d / "state.safetensors"))
+        meta = json.loads((d / "state.json").read_text())
+        self.round, self.ledger = meta["round"], meta["ledger"]
+        self.trunk.load_state_dict({k[6:]: v for k, v in tensors.items()
+                                    if k.startswith("trunk.")})
+        for o in meta["copies"]:
+            self._module(o).load_state_dict({k[len(o) + 6:]: v for k, v in tensors.items()
+                                             if k.startswith(f"copy.{o}.")})
+        for o, om in meta["opts"].items():
+            opt = self._opt(o) if o else self.opts[""]
+            state = {}
+            for pid, keys in om["keys"].items():
+                state[int(pid)] = {k: tensors[f"opt.{o}.{pid}.{k}"]
+                                   if f"opt.{o}.{pid}.{k}" in tensors
+                                   else om["rest"][f"{pid}.{k}"] for k in keys}
+            opt.load_state_dict({"state": state, "param_groups": om["groups"]})
+        log.info("study %s resumes at round %d from %s", self.cfg.name, self.round, d)

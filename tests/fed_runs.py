@@ -1,0 +1,100 @@
+"""One data owner's process for the study tests: for each study named, an ordinary
+Lightning fit of ``fed_models.Net`` whose trunk is the study's shared module; what it
+ends with (own parts, losses) written to OUT/<study>-<owner>.pt.
+
+    python tests/fed_runs.py --hub 127.0.0.1:PORT --pki DIR --owner a --studies DIR \\
+        --out DIR v1 arr rr [--kill dropv1:1:0] [--delays arr] [--epochs res:2] \
+        [--then res:ADDRESS_FILE]
+"""
+
+import argparse
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+
+from somatize.fed import Study, StudyConfig  # noqa: E402
+from somatize.lightning import SomatizeStrategy  # noqa: E402
+from tests.fed_models import make_net, owner_loader, owner_seed  # noqa: E402
+
+
+class Record(pl.Callback):
+    def __init__(self, study, kill, delay):
+        self.losses, self.study, self.kill, self.delay = [], study, kill, delay
+        self.rng = random.Random(os.getpid())
+
+    def on_train_batch_start(self, trainer, module, batch, i):
+        if self.delay:
+            time.sleep(self.rng.random() * 0.03)
+
+    def on_before_backward(self, trainer, module, loss):
+        if self.kill == (trainer.current_epoch, trainer.fit_loop.epoch_loop.batch_idx):
+            os._exit(3)  # lost mid-step: its Forward ran on the hub, no Backward comes
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, i):
+        self.losses.append(float(outputs["loss"]))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hub")
+    ap.add_argument("--pki")
+    ap.add_argument("--owner")
+    ap.add_argument("--name")
+    ap.add_argument("--configs")
+    ap.add_argument("--out")
+    ap.add_argument("--kill", action="append", default=[])
+    ap.add_argument("--delays", action="append", default=[])
+    ap.add_argument("--epochs", action="append", default=[])
+    ap.add_argument("--then", help="STUDY:FILE: once FILE holds a hub's address, resume "
+                                   "STUDY's fit from its last checkpoint there")
+    ap.add_argument("studies", nargs="+")
+    a = ap.parse_args()
+    kills = {k.split(":")[0]: (int(k.split(":")[1]), int(k.split(":")[2])) for k in a.kill}
+    epochs = {k.split(":")[0]: int(k.split(":")[1]) for k in a.epochs}
+    name = a.name or a.owner
+    for s in a.studies:
+        fit(a, s, a.hub, name, kills, epochs, resume=False)
+    if a.then:
+        s, file = a.then.split(":", 1)
+        deadline = time.monotonic() + 300
+        while not os.path.exists(file) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        fit(a, s, Path(file).read_text(), name, kills, {}, resume=True)
+    return 0
+
+
+def fit(a, s, hub, name, kills, epochs, resume):
+    """One study's fit, its results written to OUT/<study>-<name>.pt."""
+    cfg = StudyConfig.load(Path(a.configs) / f"{s}.toml")
+    study = Study(cfg, hub=hub, owner=a.owner, identity=Path(a.pki) / f"{a.owner}.pem",
+                  ca=Path(a.pki) / "ca.pem", timeout=20)
+    torch.manual_seed(owner_seed(a.owner))
+    model = make_net(cfg)
+    rec = Record(s, kills.get(s), s in a.delays)
+    out = Path(a.out)
+    keep = s == (a.then or ":").split(":")[0]  # only what resumes writes checkpoints
+    ckpt = pl.callbacks.ModelCheckpoint(dirpath=out / f"ckpt-{s}-{name}", save_last=True,
+                                        save_top_k=0)
+    trainer = pl.Trainer(max_epochs=epochs.get(s, cfg.rounds or 2),
+                         strategy=SomatizeStrategy(place={"trunk": study.shared}),
+                         logger=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[rec, ckpt] if keep else [rec],
+                         enable_checkpointing=keep)
+    last = str(out / f"ckpt-{s}-{name}" / "last.ckpt") if resume else None
+    trainer.fit(model, owner_loader(a.owner), ckpt_path=last)
+    own = {k: v for k, v in model.state_dict().items() if not k.startswith("trunk.")}
+    torch.save({"state": own, "losses": rec.losses},
+               out / f"{s}-{name}.pt.tmp")
+    os.replace(out / f"{s}-{name}.pt.tmp", out / f"{s}-{name}.pt")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

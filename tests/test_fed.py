@@ -1,0 +1,146 @@
+"""somatize.fed in one process: FedAvg's arithmetic, the study link's frames, the seeds,
+the study's definition, and the oracles (``simulate``, ``replay``) against plain
+Lightning. The studies over real processes are in test_fed_study.py."""
+
+import pickle
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from fed_models import make_net, owner_loader, owner_seed
+
+from somatize import Refused
+from somatize.fed import (
+    FrameError,
+    StudyConfig,
+    average,
+    generator_seed,
+    replay,
+    schedule,
+    simulate,
+)
+from somatize.fed._frames import decode, encode
+
+STUDY = {"name": "unit", "owners": ["a", "b", "c"], "module": "fed_models:Trunk",
+         "parts": ["stem", "head"], "schedule": "v1"}
+
+
+def test_average_is_weighted_by_rows_in_a_fixed_order_and_exact():
+    g = torch.Generator().manual_seed(0)
+    states = {o: {"w": torch.randn(5, generator=g), "n": torch.tensor(i)}
+              for i, o in enumerate("cab")}
+    avg = average(states, {"a": 3, "b": 1, "c": 2})
+    want = (states["a"]["w"].double() * 0.5 + states["b"]["w"].double() * (1 / 6)
+            + states["c"]["w"].double() * (2 / 6)).float()
+    assert torch.equal(avg["w"], want)
+    assert avg["n"].item() == 2  # an integer buffer: the largest count
+    again = average(dict(reversed(list(states.items()))), {"c": 2, "b": 1, "a": 3})
+    assert torch.equal(again["w"], avg["w"])  # whoever averages gets the same bits
+    with pytest.raises(Refused, match="other entries"):
+        average({"a": {"w": torch.zeros(1)}, "b": {"v": torch.zeros(1)}}, {"a": 1, "b": 1})
+    with pytest.raises(Refused, match="no positive weight"):
+        average({"a": {"w": torch.zeros(1)}}, {"a": 0})
+
+
+def test_frames_carry_dtype_shape_and_bytes_and_refuse_anything_else():
+    x = torch.randn(3, 4)
+    kind, fields, t = decode(encode("Forward", {"step": 2}, {"x": x, "i": torch.arange(3)}))
+    assert (kind, fields) == ("Forward", {"step": 2})
+    assert torch.equal(t["x"], x) and torch.equal(t["i"], torch.arange(3))
+    assert torch.equal(decode(encode("Grad", {}, {"g": x.bfloat16()}))[2]["g"], x.bfloat16())
+    for junk in (pickle.dumps({"x": x}), b"\x00" * 4096, b"SMZF\x01\xff\xff\xff\xff{}",
+                 encode("Forward", {}, {"x": x})[:-1], encode("Forward", {}, {"x": x}) + b"1"):
+        with pytest.raises(FrameError):
+            decode(junk)
+    with pytest.raises(FrameError, match="kind"):
+        decode(encode("Output", {}, {}), frozenset({"Forward"}))
+
+
+def test_seeds_are_one_per_owner_step_and_the_same_wherever_derived():
+    s = generator_seed("ct", "a", 0, 3)
+    assert s == generator_seed("ct", "a", 0, 3) and 0 <= s < 2 ** 63
+    assert len({generator_seed("ct", o, r, k) for o in "ab" for r in range(3)
+                for k in range(3)}) == 18
+    assert generator_seed("other key", "a", 0, 3) != s
+
+
+def test_a_study_definition_is_checked_and_its_digest_covers_the_shared_module():
+    cfg = StudyConfig.load(STUDY)
+    assert cfg.digest() == StudyConfig.load(dict(STUDY)).digest()
+    assert cfg.digest() != StudyConfig.load({**STUDY, "kwargs": {"p": 0.5}}).digest()
+    assert cfg.digest() != StudyConfig.load({**STUDY, "schedule": "v2"}).digest()
+    with pytest.raises(Refused, match="schedule"):
+        StudyConfig.load({**STUDY, "schedule": "v3"})
+    with pytest.raises(Refused, match="unknown entries"):
+        StudyConfig.load({**STUDY, "lerning_rate": 1})
+    with pytest.raises(Refused, match="not installed here"):
+        StudyConfig.load({**STUDY, "module": "no_such_pkg:Trunk"}).build_module()
+
+
+def _plain_fedavg(cfg, owners, rounds):
+    """FedAvg of plain Lightning fits of the whole model, one epoch per round."""
+    models = {}
+    for o in owners:
+        torch.manual_seed(owner_seed(o))
+        models[o] = make_net(cfg)
+    start = models[owners[0]].state_dict()
+    for m in models.values():
+        m.load_state_dict(start)
+    rows = {o: len(owner_loader(o).dataset) for o in owners}
+    for _ in range(rounds):
+        for o in owners:
+            pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False,
+                       enable_model_summary=False, enable_checkpointing=False,
+                       ).fit(models[o], owner_loader(o))
+        avg = average({o: m.state_dict() for o, m in models.items()}, rows)
+        for m in models.values():
+            m.load_state_dict(avg)
+    return models
+
+
+def test_simulated_v1_equals_fedavg_of_plain_lightning_fits():
+    cfg = StudyConfig.load(STUDY)
+    owners = {o: ((lambda: make_net(cfg)), owner_loader(o)) for o in "abc"}
+    ref = _plain_fedavg(cfg, list("abc"), rounds=2)
+    # the owners' models start alike here (the plain FedAvg's global model)
+    sim = simulate(owners, cfg, rounds=2, seeds={o: owner_seed(o) for o in "abc"})
+    want = ref["a"].state_dict()
+    for o in "abc":
+        got = sim.own_state(o, "trunk")
+        assert got and all(torch.equal(want[k], v) for k, v in got.items())
+    assert all(torch.equal(want[f"trunk.{k}"], v) for k, v in sim.trunk.items())
+
+
+def test_v2_depends_on_the_order_and_replay_follows_the_ledger():
+    cfg = StudyConfig.load({**STUDY, "schedule": "v2", "order": "round_robin",
+                            "kwargs": {"p": 0.5}})
+    owners = {o: ((lambda: make_net(cfg)), owner_loader(o)) for o in "abc"}
+    seeds = {o: owner_seed(o) for o in "abc"}
+    rr = simulate(owners, cfg, rounds=1, seeds=seeds)
+    steps = [e["owner"] for e in rr.ledger if e["kind"] == "step"]
+    assert steps == ["a", "b", "c", "a", "b", "a"]
+    again = replay(rr.ledger, owners, cfg, seeds=seeds)
+    assert all(torch.equal(rr.trunk[k], v) for k, v in again.trunk.items())
+    seq = replay(schedule(StudyConfig.load({**STUDY, "schedule": "v2",
+                                            "order": "owner_sequential",
+                                            "kwargs": {"p": 0.5}}),
+                          {o: len(owner_loader(o)) for o in "abc"}, 1), owners, cfg, seeds=seeds)
+    assert not all(torch.equal(rr.trunk[k], v) for k, v in seq.trunk.items())
+
+
+def test_the_hydra_option_makes_this_process_an_owner_of_the_study(tmp_path):
+    from hydra.utils import instantiate
+    from test_hydra import config
+
+    from somatize.fed import Shared
+
+    (tmp_path / "s.toml").write_text('name = "s"\nowners = ["a", "b"]\n'
+                                     'module = "fed_models:Trunk"\n')
+    cfg = config("+somatize=splitfed", f"somatize.study.config={tmp_path / 's.toml'}",
+                 "somatize.study.hub=127.0.0.1:7443", "somatize.study.owner=b",
+                 "somatize.study.identity=b.pem", "somatize.study.ca=ca.pem")
+    strategy = instantiate(cfg.trainer.strategy)
+    assert list(strategy.shared) == ["body"] and strategy.place == {}
+    (shared,) = strategy.shared.values()
+    assert isinstance(shared, Shared) and shared.study.owner == "b"
+    assert shared.study.config.owners == ("a", "b")
