@@ -325,6 +325,7 @@ class WganGp(pl.LightningModule):
         self.manual_backward(g_loss)
         opt_g.step()
         self.log("loss", c_loss + g_loss)
+        return (c_loss + g_loss).detach()
 
     def configure_optimizers(self):
         return (torch.optim.Adam(self.gen.parameters(), lr=1e-3),
@@ -357,6 +358,7 @@ class Twice(pl.LightningModule):
         self.manual_backward(0.1 * r1 + h.pow(2).mean())
         opt.step()
         self.log("loss", loss)
+        return loss.detach()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -387,6 +389,7 @@ class Fgsm(pl.LightningModule):
         self.manual_backward(adv_loss)
         opt.step()
         self.log("loss", adv_loss)
+        return adv_loss.detach()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)

@@ -46,6 +46,10 @@ def _named(fn: Any) -> list:
             held.append((name, cell.cell_contents))
         except ValueError:  # a cell not filled yet
             pass
+    args = code.co_varnames[:code.co_argcount]
+    held += list(zip(args[len(args) - len(fn.__defaults__ or ()):], fn.__defaults__ or (),
+                     strict=True))
+    held += list((fn.__kwdefaults__ or {}).items())
     g = getattr(fn, "__globals__", {})
     held += [(n, g[n]) for n in code.co_names if n in g]
     return held

@@ -114,8 +114,8 @@ class Routing:
                 raise Refused(
                     f"{path}.compile() was called in place on a module placed on worker "
                     f"{host!r} (inside {name!r}): compiled here it would run here, on a "
-                    "stale copy of its weights. Remove that compile() (compile the modules "
-                    f"that stay here), or leave {name!r} unplaced")
+                    "stale copy of its weights. Compile before placing it "
+                    f"(torch.compile(module) as a submodule), or leave {name!r} unplaced")
 
     def _contexts(self, path: str, child: torch.nn.Module) -> None:
         # a hook that reads this process's context variables cannot run over there
