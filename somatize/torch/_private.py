@@ -166,6 +166,12 @@ HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_al
               "_backward_pre_hooks", "_is_full_backward_hook")
 
 
+def hook_dicts(m: torch.nn.Module) -> list:
+    """The dictionaries ``hook_count`` counts the entries of (their lengths, read per call
+    at C speed, tell a hook put or removed)."""
+    return [_need(m, attr, "the hooks put on a placed module's children") for attr in _HOOKS]
+
+
 def hooks_of(m: torch.nn.Module) -> dict:
     """``m``'s own hook dictionaries (copies), by name, as ``set_hooks`` takes them."""
     return {k: (v.copy() if isinstance(v, dict) else v) for k in HOOK_DICTS

@@ -13,6 +13,7 @@ settings go through the ``Session`` (``follow_math``).
 
 from __future__ import annotations
 
+import operator
 import pickle
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,9 @@ class Free:
     def apply(self, placed: Any) -> None:
         for n in self.numbers:
             placed.kept.pop(n, None)
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 class Kept:
@@ -207,15 +211,18 @@ class Sent:
     def settings(self, ops: list) -> None:
         """Queue the modes, ``requires_grad`` flags and plain attributes (a dropout's
         ``p``) changed here since last sent (the structure as ``writes`` looked it up)."""
+        with plainly():
+            flags = list(map(_REQUIRES_GRAD, self.shape.params))  # (at C speed)
+        if flags != self.flags:
+            ops.append(SetRequiresGrad(tuple(flags)))
+            self.flags = flags
+        attributes = self.attributes
+        if attributes.quiet() and self.modes is not None:
+            return  # no module's __dict__ holds another value (its mode is in it)
         modes = tuple(m.training for m in self.shape.modules)
         if modes != self.modes:
             ops.append(SetModes(modes))
             self.modes = modes
-        with plainly():
-            flags = tuple(p.requires_grad for p in self.shape.params)
-        if flags != self.flags:
-            ops.append(SetRequiresGrad(flags))
-            self.flags = flags
-        attrs = self.attributes.changed()
+        attrs = attributes.changed()
         if attrs is not None:
             ops.append(attrs)

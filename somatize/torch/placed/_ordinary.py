@@ -84,6 +84,25 @@ class Attributes:
         self.looked: list[tuple] = []
         for i in range(len(self.modules)):
             self._deep(i)
+        self.dicts = [m.__dict__ for m in self.modules]
+        self._seen()
+
+    def _seen(self) -> None:
+        # each module's __dict__ as it is (a shallow copy): the per-call look's first step
+        self.copies = [dict(d) for d in self.dicts]
+        self.still = not any(self.deep)
+
+    def quiet(self) -> bool:
+        """Whether nothing can have changed: every module's ``__dict__`` holds the values
+        it held and none of them can change in place. At C speed: a dict compares each
+        value by identity first, so ``==`` runs no ``__eq__`` when nothing was replaced
+        (and one that was is looked at by ``changed``)."""
+        if not self.still:
+            return False
+        try:
+            return all(map(operator.eq, self.dicts, self.copies))
+        except Exception:  # a replaced value's __eq__ (a tensor's) answers no bool
+            return False
 
     def _deep(self, i: int) -> None:
         d = self.modules[i].__dict__
@@ -132,6 +151,7 @@ class Attributes:
                 gone.setdefault(self.paths[i], []).append(k)
             if new:
                 changed[self.paths[i]] = {k: _sendable(v) for k, v in new.items()}
+        self._seen()
         if not changed and not gone:
             return None
         return SetAttributes(self._pickled(changed, gone))
@@ -168,6 +188,7 @@ class Attributes:
             self.names[i], self.sizes[i] = _names(m), len(m.__dict__)
             self.sent[i] = _values(m, self.names[i])
             self._deep(i)
+        self._seen()
 
 
 class Shape:

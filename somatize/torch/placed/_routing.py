@@ -24,7 +24,7 @@ import torch
 
 from ..._errors import Refused
 from .._pickling import dumps
-from .._private import hook_count, hooks_of, own_call, route_calls, routed_to, set_hooks
+from .._private import hook_count, hook_dicts, hooks_of, own_call, route_calls, routed_to, set_hooks
 from ._reach import contexts, described
 
 _NO = object()
@@ -78,6 +78,8 @@ class Routing:
         for path, child in self.children:
             self._contexts(path, child)
         self.hooked = [hook_count(child) for _, child in self.children]
+        self.dicts = [d for _, child in self.children for d in hook_dicts(child)]
+        self.lengths = list(map(len, self.dicts))
 
     def uninstall(self) -> None:
         for m in self.routed:
@@ -135,6 +137,10 @@ class Routing:
     def hooks(self, ops: list) -> None:
         """Queue the hooks put on children here (or removed) since the module was sent:
         they run over there, where the children run."""
+        lengths = list(map(len, self.dicts))  # (at C speed: nothing put, nothing to do)
+        if lengths == self.lengths:
+            return
+        self.lengths = lengths
         changed = {}
         for k, (path, child) in enumerate(self.children):
             now = hook_count(child)
