@@ -6,7 +6,8 @@ The module travels once (as a node of a one-node-per-module graph, on a ``Sessio
 a call sends a ``Call`` (its arguments, the RNG state, the grad mode...) and comes back
 with an ``Answer`` (the outputs, the advanced RNG state: ``_messages.py``); the autograd
 graph here holds one ``_Remote`` node per call whose backward sends dL/d(outputs) and
-receives dL/d(arguments). The weights'
+receives dL/d(arguments) (a second backward, ``autograd.grad`` on the inputs and
+``create_graph`` included: ``_Remote``). The weights'
 gradients accumulate over there, where optimizers that mirror the ones here (group by
 group, hyper-parameters sent with each step) apply them.
 
