@@ -28,19 +28,40 @@ from somatize import Refused  # noqa: E402
 from somatize.lightning import SomatizeStrategy  # noqa: E402
 
 
+def _kept(live, name):
+    return len(live.catalog[name].kept)
+
+
+class Kept(pl.Callback):
+    """How many calls' graphs the worker keeps after each step (freed as the graphs here
+    are: it must not grow)."""
+
+    def __init__(self):
+        self.counts = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
+        if isinstance(trainer.strategy, SomatizeStrategy):
+            self.counts.append(trainer.strategy.session("encoder").call(
+                "worker", _kept, "encoder"))
+
+
 def both(make, out, place=None, data=None, extra=None, **kw):
-    """Plain Lightning, then placed; what each gave (losses, weights, ``extra``)."""
+    """Plain Lightning, then placed; what each gave (losses, weights, ``extra``), and what
+    the worker keeps after each step."""
     got = {}
     for name in ("plain", "split"):
         pl.seed_everything(0)
         strategy = "auto" if name == "plain" else SomatizeStrategy(
             place=place or {"encoder": "worker"})
         model = make()
-        _, losses, weights = fit(model, strategy, data or digits(), **kw)
+        kept = Kept()
+        _, losses, weights = fit(model, strategy, data or digits(),
+                                 **{**kw, "callbacks": [*kw.get("callbacks", []), kept]})
         got[name] = (losses, weights)
         got[f"{name}_seen"] = extra(model) if extra else None
         if name == "split":
             got["ran"] = strategy.where().get("", {})
+            got["kept"] = kept.counts
     got["pid"] = os.getpid()
     torch.save(got, out)
 

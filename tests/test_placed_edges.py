@@ -30,6 +30,13 @@ def exact(got, steps=4, placed="encoder"):
     for k in plain:
         assert torch.equal(split[k], plain[k]), k
     assert got["pid"] not in got["ran"][placed] and sum(got["ran"][placed].values()) >= steps
+    kept_after_each_step(got)
+
+
+def kept_after_each_step(got):
+    # each call's graph over there is kept until the one here is freed: after a step,
+    # at most the calls of that step (here, the graphs die with the step), never growing
+    assert len(got["kept"]) >= 3 and max(got["kept"]) <= 4, got["kept"]
 
 
 def test_a_tensor_a_list_a_dict_a_partial_an_enum_a_numpy_scalar_and_a_lambda_set_mid_fit(
@@ -80,6 +87,7 @@ def close(got, steps=4):
     assert len(plain_losses) >= steps and split_losses == plain_losses
     for k in plain:
         assert torch.allclose(split[k], plain[k], rtol=1e-6, atol=1e-7), k
+    kept_after_each_step(got)
 
 
 def test_a_pinn_differentiates_through_the_placed_net_with_create_graph(ran):

@@ -55,7 +55,7 @@ class _Remote(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.link, ctx.number, ctx.needs, ctx.acc = link, number, needs, acc
         ctx.ticket = _Ticket(link, number)
-        ctx.save_for_backward(*inputs)
+        ctx.inputs = inputs  # (held, not saved: a later in-place write here is no error)
         ctx.mark_non_differentiable(*[t for t, a in zip(outs, alive, strict=True)
                                       if not (a and t.is_floating_point())])
         return tuple(outs)
@@ -202,7 +202,7 @@ class Link:
             asks = [g is not None and g.requires_grad for g in grads]
             back, alive = self._rpc(_backward, self.name, number, crossing, ops, accumulate,
                                     then, asks)
-            inputs = ctx.saved_tensors
+            inputs = ctx.inputs
             given = [g for g, ask in zip(grads, asks, strict=True) if ask]
             there = [g for g in back if g is not None]
             if there:
