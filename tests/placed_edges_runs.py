@@ -40,9 +40,10 @@ class Kept(pl.Callback):
         self.counts = []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
-        if isinstance(trainer.strategy, SomatizeStrategy):
-            self.counts.append(trainer.strategy.session("encoder").call(
-                "worker", _kept, "encoder"))
+        strategy = trainer.strategy
+        if isinstance(strategy, SomatizeStrategy):  # (the part's name: part() or session())
+            part = getattr(strategy, "part", None) or strategy.session
+            self.counts.append(part("encoder").call("worker", _kept, "encoder"))
 
 
 def both(make, out, place=None, data=None, extra=None, **kw):
