@@ -402,11 +402,11 @@ class Fgsm(pl.LightningModule):
 
     def training_step(self, batch, i):
         opt = self.optimizers()
+        opt.zero_grad()  # first: the grad on the input below must add nothing to .grad
         x = batch[0].clone().requires_grad_()
         loss = F.mse_loss(self.head(self.encoder(x)), batch[0])
         g, = torch.autograd.grad(loss, x)
         adv = (x + 0.05 * g.sign()).detach()
-        opt.zero_grad()
         adv_loss = F.mse_loss(self.head(self.encoder(adv)), batch[0])
         self.manual_backward(adv_loss)
         opt.step()
