@@ -24,10 +24,10 @@ import weakref
 from dataclasses import dataclass, field
 
 from .._errors import WorkerError
-from . import _membership, _private, _sealed, _secret
+from . import _exposure, _membership, _private, _sealed, _secret
 from ._death import process_state, why_exited
 from ._settings import COORDINATOR, _started, backend_options, keep_on_loopback, loopback, settings
-from ._spawn import ask_daemon, spawn, warm
+from ._spawn import ask_daemon, spawn
 from ._worker import Worker
 
 log = logging.getLogger(__name__)
@@ -78,10 +78,12 @@ class Group:
         self.peers: dict[tuple, Peer] = {}
         self.lock = threading.RLock()
         self.runtimes: weakref.WeakSet = weakref.WeakSet()
-        self.warm: list[subprocess.Popen] = []  # started early, waiting to be told to join
+        self.netns = None  # the run's network namespace (_isolation.Namespace), if any
 
     # -- the agent ----------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, specs=()) -> None:
+        """Start this process's agent (once); ``specs``: the workers the first run asks
+        for, which say whether its listeners can be kept to the run (``_exposure``)."""
         with self.lock:
             if self.started:
                 return
@@ -90,6 +92,8 @@ class Group:
             if self.static is not None:  # torchrun: every rank is known, MASTER_* set
                 from ._torchrun_rendezvous import drop_key_file, rendezvous
 
+                _exposure.isolate(os.environ.get("MASTER_ADDR", "127.0.0.1"), specs,
+                                  torchrun=True)
                 init = rendezvous(0)  # somatize's own, gated; never torchrun's store
                 rpc.init_rpc(COORDINATOR, rank=0, world_size=self.world,
                              rpc_backend_options=backend_options(init, settings))
@@ -100,13 +104,19 @@ class Group:
                     keep_on_loopback()
                 key = _secret.run_key()
                 _sealed.seal(key)  # before the first message: every one carries its MAC
-                self._gate = _membership.rendezvous(host, key, settings["timeout"])
-                self._store, port = self._gate.store, self._gate.port
-                self.join = f"tcp://{host}:{port}"
-                rpc.init_rpc(COORDINATOR, rank=0, world_size=None,
-                             rpc_backend_options=backend_options(f"somatize://{host}:{port}",
-                                                                 settings))
-                _membership.expect_closed_pipes(settings["timeout"])
+                self.netns = _exposure.isolate(host, specs)
+
+                def begin():  # inside the run's namespace, where there is one
+                    gate = _membership.rendezvous(host, key, settings["timeout"])
+                    rpc.init_rpc(COORDINATOR, rank=0, world_size=None,
+                                 rpc_backend_options=backend_options(
+                                     f"somatize://{host}:{gate.port}", settings))
+                    _membership.expect_closed_pipes(settings["timeout"])
+                    return gate
+
+                self._gate = self.netns.run(begin) if self.netns else begin()
+                self._store = self._gate.store
+                self.join = f"tcp://{host}:{self._gate.port}"
             self.started = _started[0] = True
             atexit.register(self.shutdown)
             log.debug("RPC group started (%s)", self.join or "torchrun")
@@ -117,7 +127,14 @@ class Group:
     # -- workers ------------------------------------------------------------------
     def peer(self, host: str, spec: Worker) -> Peer:
         """The worker process serving ``host`` as ``spec`` says, started if need be."""
-        self.start()
+        self.start([spec])
+        if self.netns is not None and spec.kind == "standing":
+            raise WorkerError(
+                f"worker {host!r} at {spec.address} is a standing worker, but this process's "
+                "RPC group is kept in a network namespace of its own (since its first run), "
+                "which the daemon's serving process cannot reach: call "
+                "somatize.remote.configure(isolate='off') before the first run to have "
+                "standing workers on this machine (docs/security.md)")
         key = (spec.kind, spec.address or spec.torchrun_rank or (host, spec.store, spec.threads),
                spec.device)
         with self.lock:
@@ -184,33 +201,9 @@ class Group:
                          "OMP_WAIT_POLICY=PASSIVE (before torch is imported) so that its idle "
                          "math threads sleep instead of spinning while the worker computes "
                          "(docs/performance.md)", host)
-            p.proc = self._take_warm(cmd) or spawn(cmd)
+            p.proc = spawn(cmd, self.netns)
             p.pid = p.proc.pid
         return p
-
-    def prespawn(self, n: int) -> None:
-        """Have ``n`` serving processes start now and import torch, before anyone needs
-        them: a later embedded worker takes one and only joins (its imports are done)."""
-        with self.lock:
-            self.warm = [w for w in self.warm if w.poll() is None]
-            while len(self.warm) < n:
-                self.warm.append(spawn(["--warm"]))
-
-    def drop_warm(self) -> None:
-        """End the warm processes nobody took (their stdin closes: they exit)."""
-        with self.lock:
-            warm, self.warm = self.warm, []
-        for w in warm:  # it has joined nothing and holds nothing: stopped at once
-            w.kill()
-            w.wait(timeout=10)
-            w.stdin.close()
-
-    def _take_warm(self, cmd: list[str]):
-        while self.warm:
-            w = self.warm.pop(0)
-            if warm(w, cmd):
-                return w
-        return None
 
     def wait_joined(self, peers: list[Peer]) -> None:
         """Wait until each of ``peers`` has joined the group (or say why it did not)."""
@@ -318,7 +311,6 @@ class Group:
 
     def shutdown(self) -> None:
         """Close every runtime, stop every worker, leave RPC (at interpreter exit)."""
-        self.drop_warm()
         import torch.distributed.rpc as rpc
 
         for rt in list(self.runtimes):
@@ -336,6 +328,7 @@ class Group:
                 rpc.shutdown(graceful=self.static is not None, timeout=settings["timeout"])
             except Exception as e:
                 log.warning("RPC shutdown: %s", e)
+            _exposure.closing()  # how many calls and joins were refused, if any
 
 
 _group: Group | None = None

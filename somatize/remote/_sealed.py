@@ -20,14 +20,13 @@ from __future__ import annotations
 import hmac
 import logging
 
-from . import _private
+from . import _exposure, _private
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"SMZ1"
 _HASH = "sha256"  # HMAC-SHA256
 _N = len(MAGIC) + 32
-_said = [False]
 
 
 class NotOfThisRun(AttributeError):
@@ -48,8 +47,8 @@ def seal(key: bytes) -> None:
         data = bytes(binary_data)
         if data[:len(MAGIC)] != MAGIC or not hmac.compare_digest(
                 data[len(MAGIC):_N], hmac.digest(key, data[_N:], _HASH)):
-            if not _said[0]:
-                _said[0] = True
+            # TensorPipe does not say who sent it: every stranger is one "peer" here
+            if _exposure.refused("a call", "a peer outside the run"):
                 log.warning("refused a call that does not carry this run's MAC (a peer "
                             "outside the run reached this process's RPC listener): nothing "
                             "in it was unpickled or run")

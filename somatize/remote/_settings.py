@@ -25,6 +25,7 @@ settings: dict[str, Any] = {
     "channels": None,  # TensorPipe's own choice
     "rpc_threads": 16,
     "timeout": DEFAULT_TIMEOUT,
+    "isolate": "auto",  # keep a one-machine run's listeners to its own processes (_exposure)
 }
 _started = [False]  # set by the group once RPC runs: settings can no longer change
 
@@ -40,6 +41,10 @@ def configure(**given: Any) -> None:
         channels: TensorPipe channels, e.g. ``["basic"]`` (None: TensorPipe's choice).
         rpc_threads: threads each process serves calls with.
         timeout: seconds a join or a shutdown may take.
+        isolate: ``"auto"`` (default): a run whose processes are all on this machine
+            listens inside a network namespace of its own, which no other user reaches,
+            where the system allows it, and otherwise says once what is exposed and the
+            fix; ``"require"``: refuse to start where it cannot; ``"off"``: never, silently.
     """
     unknown = set(given) - set(settings)
     if unknown:
