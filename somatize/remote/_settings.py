@@ -25,7 +25,8 @@ settings: dict[str, Any] = {
     "channels": None,  # TensorPipe's own choice
     "rpc_threads": 16,
     "timeout": DEFAULT_TIMEOUT,
-    "isolate": "auto",  # keep a one-machine run's listeners to its own processes (_exposure)
+    # keep a one-machine run's listeners to its own processes (_exposure)
+    "isolate": os.environ.get("SOMATIZE_ISOLATE", "auto"),
 }
 _started = [False]  # set by the group once RPC runs: settings can no longer change
 
@@ -45,6 +46,7 @@ def configure(**given: Any) -> None:
             listens inside a network namespace of its own, which no other user reaches,
             where the system allows it, and otherwise says once what is exposed and the
             fix; ``"require"``: refuse to start where it cannot; ``"off"``: never, silently.
+            ``SOMATIZE_ISOLATE`` in the environment sets the default.
     """
     unknown = set(given) - set(settings)
     if unknown:
