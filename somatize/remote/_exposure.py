@@ -37,7 +37,9 @@ def isolate(host: str, specs, torchrun: bool = False) -> Namespace | None:
         raise WorkerError(f"configure(isolate={mode!r}): give one of {', '.join(MODES)}")
     if mode == "off":
         return None
-    why = _why_not(host, specs, torchrun)
+    if torchrun and _only_loopback():  # the job was started in a namespace of its own
+        return None
+    why, fix = _why_not(host, specs, torchrun)
     if why is None:
         try:
             return Namespace.make()
@@ -46,7 +48,7 @@ def isolate(host: str, specs, torchrun: bool = False) -> Namespace | None:
                    "CAP_SYS_ADMIN in its user namespace)")
     if mode == "require":
         raise WorkerError(f"configure(isolate='require'): this run's listeners cannot be kept "
-                          f"to the run: {why}. To run it anyway, {FIX}; or configure("
+                          f"to the run: {why}. To keep them to it, {fix}; or configure("
                           "isolate='auto') to run it exposed, said once")
     if loopback(host):  # a network address is the user's own choice (a private network)
         log.warning("this run's RPC listeners (TensorPipe and the rendezvous, on %s) can be "
@@ -54,21 +56,35 @@ def isolate(host: str, specs, torchrun: bool = False) -> Namespace | None:
                     "call torch's built-in operators as you (read, create and overwrite "
                     "files) or abort the run. To keep them to the run, %s. "
                     "somatize.remote.configure(isolate='require') refuses to start instead; "
-                    "isolate='off' says nothing", host, why, FIX)
+                    "isolate='off' says nothing", host, why, fix)
     return None
 
 
-def _why_not(host: str, specs, torchrun: bool) -> str | None:
+TORCHRUN_FIX = ("start the whole torchrun job in a network namespace of its own, e.g. "
+                "`unshare --net sh -c 'ip link set lo up && torchrun ...'` (docs/workers.md, "
+                "\"What torchrun exposes\")")
+
+
+def _only_loopback() -> bool:
+    import socket
+
+    return all(name.startswith("lo") for _, name in socket.if_nameindex())
+
+
+def _why_not(host: str, specs, torchrun: bool) -> tuple[str | None, str]:
+    # why this run cannot be isolated (None: it can), and what would keep it to the run
     if torchrun:
-        return ("its ranks are torchrun's processes, each on its own (under torchrun, "
-                "isolate the whole job: docs/workers.md)")
+        return "its ranks are torchrun's processes, each on its own", TORCHRUN_FIX
     if not loopback(host):
-        return f"it listens on {host}, for workers on other machines"
+        return (f"it listens on {host}, for workers on other machines",
+                "run it on a private network (WireGuard, ssh -w: docs/security.md)")
     for s in specs:
         if s.kind == "standing":
             return (f"worker at {s.address} is a standing worker, whose daemon runs outside "
-                    "any namespace of this run's")
-    return None
+                    "any namespace of this run's",
+                    "use an embedded worker on this machine (Worker()), which shares the "
+                    "run's namespace")
+    return None, FIX
 
 
 _lock = threading.Lock()

@@ -36,7 +36,7 @@ from ._fork_server import read_at_start
 
 log = logging.getLogger(__name__)
 
-FORKS_ENV = "SOMATIZE_FORKS"  # the socket of the server embedded workers are forked from
+FORKS_ENV = "SOMATIZE_FORKS"  # the server's socket embedded workers are forked from, or off
 WORKER_PRELOAD = ("torch", "torch.distributed.rpc")  # and remote/_private's OPTIMIZER_IMPORTS
 __all__ = ["FORKS_ENV", "WORKER_PRELOAD", "ForkServer", "Forked", "fork_workers", "named",
            "read_at_start"]
@@ -244,9 +244,10 @@ _named: dict[str, ForkServer] = {}
 
 
 def named(env: dict[str, str]) -> ForkServer | None:
-    """The server ``env`` names (``SOMATIZE_FORKS``), if it is there."""
+    """The server ``env`` names (``SOMATIZE_FORKS``), if it is there (``off``: none, and
+    ``SomatizeStrategy`` starts none)."""
     path = env.get(FORKS_ENV)
-    if not path:
+    if not path or path == "off":
         return None
     server = _named.setdefault(path, ForkServer(path))
     return server if server.alive else None
