@@ -311,7 +311,6 @@ class Group:
 
     def shutdown(self) -> None:
         """Close every runtime, stop every worker, leave RPC (at interpreter exit)."""
-        import torch.distributed.rpc as rpc
 
         for rt in list(self.runtimes):
             try:
@@ -323,12 +322,39 @@ class Group:
                 self.stop(p)
         if self.started:
             self.started = False
-            try:
-                # a torchrun group ends together; a dynamic one has nobody left to wait for
-                rpc.shutdown(graceful=self.static is not None, timeout=settings["timeout"])
-            except Exception as e:
-                log.warning("RPC shutdown: %s", e)
+            _leave(graceful=self.static is not None)
             _exposure.closing()  # how many calls and joins were refused, if any
+            if self.netns is not None:
+                self.netns.close()
+
+
+def _leave(graceful: bool) -> None:
+    # a torchrun group ends together; a dynamic one has nobody left to wait for. The
+    # agent's own shutdown has no time limit (it waits for every RPC thread's work): it
+    # is bounded here, and where it hangs is said, never waited on for ever
+    import torch.distributed.rpc as rpc
+
+    done = threading.Event()
+
+    def leave():
+        try:
+            rpc.shutdown(graceful=graceful, timeout=settings["timeout"])
+        except Exception as e:
+            log.warning("RPC shutdown: %s", e)
+        finally:
+            done.set()
+
+    try:
+        threading.Thread(target=leave, daemon=True, name="somatize-rpc-shutdown").start()
+    except RuntimeError:  # no new thread at interpreter exit (Python 3.12+): unbounded
+        leave()
+    limit = settings["timeout"] + 10.0  # a graceful one waits up to the timeout itself
+    if not done.wait(limit):
+        import faulthandler
+
+        log.warning("RPC did not shut down within %g s: this process goes on without it "
+                    "(where each thread is follows)", limit)
+        faulthandler.dump_traceback(all_threads=True)
 
 
 _group: Group | None = None
