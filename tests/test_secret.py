@@ -80,7 +80,10 @@ def test_a_run_not_isolated_still_runs_no_python_call_of_a_stranger(tmp_path, wh
     assert not os.path.exists(str(out) + ".ran")  # its Python call ran nothing
     assert got["python"].startswith("RuntimeError"), got  # an answer it cannot even read
     assert "SAME True" in stdout
-    assert "refused a call that does not carry this run's MAC" in stderr
+    # 201 refused calls: said once, then counted at the end, with no traceback
+    assert stderr.count("refused a call that does not carry this run's MAC") == 1, stderr
+    assert "refused 201 calls from 1 address in this run" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr and len(stderr.splitlines()) <= 6, stderr[-3000:]
     # what sealing cannot cover (docs/security.md): torch's built-in operators are called
     # by name, with no pickle to seal; a stranger reaching a listener still runs them
     assert got["builtin"] == "tensor([2., 2.])"

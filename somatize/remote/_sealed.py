@@ -29,9 +29,26 @@ _HASH = "sha256"  # HMAC-SHA256
 _N = len(MAGIC) + 32
 
 
-class NotOfThisRun(AttributeError):
-    """What a refused message unpickles to (torch runs nothing for an AttributeError:
-    ``internal._run_function`` raises it back to the caller)."""
+def _refuse():
+    from torch.distributed.rpc.internal import RemoteException
+
+    return RemoteException(_REFUSAL, AttributeError)
+
+
+_REFUSAL = "refused: this call does not carry the run's MAC; only processes of the run may call it"
+
+
+def _refusal():
+    """What a refused message unpickles to: as a call, a function answering the caller an
+    error (torch's ``_run_function`` runs its ``func``, and prints nothing: a raised one it
+    would print, traceback and all, once per call); as an answer, that error itself."""
+    from torch.distributed.rpc.internal import RemoteException
+
+    class Refusal(RemoteException):
+        __slots__ = ()
+        func, args, kwargs = staticmethod(_refuse), (), {}
+
+    return Refusal(_REFUSAL, AttributeError)
 
 
 def seal(key: bytes) -> None:
@@ -52,8 +69,7 @@ def seal(key: bytes) -> None:
                 log.warning("refused a call that does not carry this run's MAC (a peer "
                             "outside the run reached this process's RPC listener): nothing "
                             "in it was unpickled or run")
-            return NotOfThisRun("refused: this call does not carry the run's MAC; only "
-                                "processes of the run may call it")
+            return _refusal()
         return cls.deserialize(p, data[_N:], tensor_table)
 
     p.serialize, p.deserialize = serialize, deserialize
