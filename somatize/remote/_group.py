@@ -273,21 +273,31 @@ class Group:
 
         self._drop(p)
         force = force or p.unanswered  # a call to it timed out: do not wait on it again
+        unanswered = None  # why the stop got no answer, if it got none
         if p.why_dead() is None and not force:
             try:
                 rpc.rpc_sync(p.name, _serve.stop, timeout=min(p.timeout, 10.0))
             except Exception as e:
-                log.warning("worker %r did not take the stop: %s", p.host, e)
-                force = True
+                # a worker that takes the stop may close its pipes before its answer is
+                # out (EOF): it took it if it exits; only one that does not is said
+                unanswered = e
+                force = p.proc is None or process_state(p.proc.pid) == "T"  # (stopped)
         if p.proc is not None:
             if p.proc.stdin:
                 p.proc.stdin.close()
             try:
                 p.proc.wait(timeout=0.1 if force else min(p.timeout, 20.0))
+                if unanswered is not None:
+                    log.debug("worker %r left before its stop was answered (%s)", p.host,
+                              unanswered)
             except subprocess.TimeoutExpired:
-                log.warning("worker %r (pid %d) did not exit: killing it", p.host, p.proc.pid)
+                log.warning("worker %r (pid %d) did not exit%s: killing it", p.host,
+                            p.proc.pid, "" if unanswered is None else
+                            f" (nor answer the stop: {unanswered})")
                 p.proc.kill()
                 p.proc.wait(timeout=10)
+        elif unanswered is not None:
+            log.warning("worker %r did not take the stop: %s", p.host, unanswered)
         elif p.kind == "standing" and not force:
             deadline = time.monotonic() + min(p.timeout, 20.0)
             while p.name in self.names() and time.monotonic() < deadline:
