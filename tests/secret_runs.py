@@ -57,15 +57,6 @@ def target(ready: str, go: str, listen: str = "", isolate: str = "auto") -> None
     while not os.path.exists(go) and time.monotonic() < deadline:
         time.sleep(0.05)
     again = g.forward(xs)
-    if grp.netns is not None:  # a standing worker cannot reach an isolated group: refused
-        from somatize import Worker
-        from somatize._errors import WorkerError
-
-        try:
-            Graph.somatize(Body().at("gpu") >> Head()).forward(
-                xs, workers={"gpu": Worker.at("127.0.0.1:9", timeout=5)})
-        except WorkerError as e:
-            print("STANDING", e, flush=True)
     g.close()
     print("SAME", torch.equal(first, here) and torch.equal(again, here), flush=True)
 

@@ -252,3 +252,26 @@ def test_a_fork_servers_directory_is_gone_after_its_owner_is_killed(tmp_path):
     assert os.path.isdir(where2)
     ForkServer.start(["json"]).close()
     assert not os.path.exists(where2)
+
+
+def _children() -> set[int]:
+    me, out = str(os.getpid()), set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[1] == me:
+                    out.add(int(pid))
+        except (OSError, IndexError):
+            continue
+    return out
+
+
+def test_building_the_strategy_starts_no_process():
+    # the warm start begins with the fit (a fork server, unless one is named), never
+    # when a config or LightningCLI only composes a strategy
+    from somatize.lightning import SomatizeStrategy
+
+    before = _children()
+    SomatizeStrategy(place={"encoder": "worker"})
+    time.sleep(0.5)
+    assert _children() == before

@@ -78,12 +78,6 @@ def _why_not(host: str, specs, torchrun: bool) -> tuple[str | None, str]:
     if not loopback(host):
         return (f"it listens on {host}, for workers on other machines",
                 "run it on a private network (WireGuard, ssh -w: docs/security.md)")
-    for s in specs:
-        if s.kind == "standing":
-            return (f"worker at {s.address} is a standing worker, whose daemon runs outside "
-                    "any namespace of this run's",
-                    "use an embedded worker on this machine (Worker()), which shares the "
-                    "run's namespace")
     return None, FIX
 
 

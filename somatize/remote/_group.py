@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 from .._errors import WorkerError
 from . import _exposure, _membership, _private, _sealed, _secret
 from ._death import process_state, why_exited
-from ._settings import COORDINATOR, _started, backend_options, keep_on_loopback, loopback, settings
+from ._settings import (
+    COORDINATOR,
+    _started,
+    backend_options,
+    keep_on_loopback,
+    loopback,
+    settings,
+    worker_options,
+)
 from ._spawn import ask_daemon, spawn
 from ._worker import Worker
 
@@ -128,13 +136,6 @@ class Group:
     def peer(self, host: str, spec: Worker) -> Peer:
         """The worker process serving ``host`` as ``spec`` says, started if need be."""
         self.start([spec])
-        if self.netns is not None and spec.kind == "standing":
-            raise WorkerError(
-                f"worker {host!r} at {spec.address} is a standing worker, but this process's "
-                "RPC group is kept in a network namespace of its own (since its first run), "
-                "which the daemon's serving process cannot reach: call "
-                "somatize.remote.configure(isolate='off') before the first run to have "
-                "standing workers on this machine (docs/security.md)")
         key = (spec.kind, spec.address or spec.torchrun_rank or (host, spec.store, spec.threads),
                spec.device)
         with self.lock:
@@ -181,15 +182,17 @@ class Group:
         name, rank = self._name(host), self.next_rank
         self.next_rank += 1
         cmd = ["--name", name, "--rank", str(rank), "--join", self.join,
-               "--options", json.dumps({k: v for k, v in settings.items() if k != "listen"}),
+               "--options", json.dumps(worker_options()),
                "--threads", str(spec.threads or _threads_here())]
         if spec.device is not None:
             cmd += ["--device", spec.device]
         if spec.kind == "standing":
             p = Peer(name, host, "standing", spec.timeout, rank=rank)
             request = {"name": name, "rank": rank, "join": self.join,
-                       "options": {k: v for k, v in settings.items() if k != "listen"},
+                       "options": worker_options(),
                        "threads": spec.threads or _threads_here(), "device": spec.device}
+            if self.netns is not None:  # its serving process enters the run's namespace
+                request["netns"] = {"path": self.netns.path, "inode": self.netns.inode}
             p.conn, reply = ask_daemon(spec.address, host, request, spec.timeout)
             p.pid = reply.get("pid")
         else:

@@ -116,11 +116,20 @@ class Namespace:
 def enter_from_env() -> None:
     """Enter the run's namespace that this process's environment names (``NETNS_ENV``),
     before it makes any socket: an embedded worker of an isolated run."""
-    path = os.environ.pop(NETNS_ENV, None)
-    if not path:
+    given = os.environ.pop(NETNS_ENV, None)
+    if not given:
         return
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    path, _, inode = given.partition("#")  # a daemon's child is told which it must be
     try:
-        _call("setns", fd, CLONE_NEWNET)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            if inode and os.readlink(f"/proc/self/fd/{fd}") != inode:
+                raise CannotIsolate(errno.ESRCH, f"{path} is no longer the run's ({inode})")
+            _call("setns", fd, CLONE_NEWNET)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        raise SystemExit(
+            f"somatize: this worker cannot enter its run's network namespace {path} ({e}): "
+            "a worker on the coordinator's machine must run as its user, with the same "
+            "capabilities; or start the coordinator with configure(isolate='off')") from None

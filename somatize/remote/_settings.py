@@ -57,6 +57,12 @@ def configure(**given: Any) -> None:
     settings.update(given)
 
 
+def worker_options() -> dict[str, Any]:
+    """The settings a worker is started with: the transport's, not where or whether
+    this coordinator listens."""
+    return {k: v for k, v in settings.items() if k not in ("listen", "isolate")}
+
+
 def backend_options(init_method: str, opts: dict):
     """The TensorPipe options every process of the group is started with."""
     import torch.distributed.rpc as rpc
