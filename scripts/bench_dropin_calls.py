@@ -11,6 +11,7 @@ used):
     cd CHECKOUT && PYTHONPATH=. .venv/bin/python /path/to/scripts/bench_dropin_calls.py
     ... bench_dropin_calls.py --structured       # the encoder takes and gives a structure
     ... bench_dropin_calls.py --top 15           # and somatize's 15 most called here
+    ... bench_dropin_calls.py --plain            # and plain Lightning's step beside it
 
 ``--structured`` wraps the encoder so its call takes a keyword dict and answers a dict:
 the path on which the call's structure travels pickled. Prints the calls per step on
@@ -94,13 +95,16 @@ class Counted(pl.Callback):
         self.there: tuple[int, int] | None = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        part = trainer.strategy.part("encoder")
+        part_of = getattr(trainer.strategy, "part", None)  # (None: plain Lightning)
+        part = part_of("encoder") if part_of is not None else None
         if batch_idx == self.first:
-            part.call("worker", _start)
+            if part is not None:
+                part.call("worker", _start)
             self.profile.enable()
         elif batch_idx == self.first + self.steps:
             self.profile.disable()
-            self.there = part.call("worker", _stop)  # after the last step's backward there
+            if part is not None:  # after the last step's backward there
+                self.there = part.call("worker", _stop)
 
 
 def main() -> None:
@@ -109,6 +113,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=20)
     ap.add_argument("--structured", action="store_true",
                     help="the encoder takes a keyword dict and answers a dict")
+    ap.add_argument("--plain", action="store_true",
+                    help="also count plain Lightning's step (no strategy), the same model")
     ap.add_argument("--top", type=int, default=0,
                     help="print somatize's N most called functions here")
     args = ap.parse_args()
@@ -130,6 +136,25 @@ def main() -> None:
           f"({own / n:.1f} in somatize), on the worker {there / n:.1f} ({own_there / n:.1f} "
           f"in somatize); {stats.total_tt / n * 1e3:.2f} ms per step profiled here "
           "(waits included)")
+    if args.plain:
+        plain = Counted(args.warmup, args.steps)
+        pl.seed_everything(0)
+        pl.Trainer(max_epochs=1, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, enable_checkpointing=False,
+                   limit_val_batches=0, limit_train_batches=args.warmup + args.steps + 1,
+                   callbacks=[plain]).fit(Structured() if args.structured else AutoEncoder(),
+                                          loader)
+        alone = pstats.Stats(plain.profile).total_calls / n
+        print(f"plain Lightning's step, the same model: {alone:.1f} calls here; the placed "
+              f"step's {here / n - alone:.1f} more are {(here / n - alone) / (here / n):.1%} "
+              "of it")
+        if args.top:  # the functions called more often a step than plain Lightning calls them
+            mine, theirs = stats.stats, pstats.Stats(plain.profile).stats
+            grew = sorted(((mine[f][1] - theirs.get(f, (0, 0))[1], f) for f in mine),
+                          reverse=True)[:args.top]
+            print("called more often a step than in plain Lightning's step:")
+            for d, (path, line, fn) in grew:
+                print(f"  {d / n:7.1f}  {fn} ({path.rsplit(os.sep, 2)[-2:]}:{line})")
     if args.top:
         stats.sort_stats("ncalls").print_stats(f"{os.sep}somatize{os.sep}", args.top)
 

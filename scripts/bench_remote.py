@@ -35,6 +35,10 @@ import time
 # default (busy-waiting ~3 ms after each op, on the cores the worker computes on)
 if "--spin" not in sys.argv:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch reads this once, at its first allocation: large tensors received here land in
+# huge pages, as a worker's do (--no-thp: 4 KB pages; docs/performance.md)
+if "--no-thp" not in sys.argv:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 import torch.distributed.rpc as rpc  # noqa: E402
@@ -126,6 +130,7 @@ def run(repeats: int) -> dict:
 def show(name: str, r: dict) -> None:
     print(f"\n== {name} (math threads {r['threads']} here and there; OMP_WAIT_POLICY "
           f"{os.environ.get('OMP_WAIT_POLICY', '(libgomp default)')} here, PASSIVE there; "
+          f"THP_MEM_ALLOC_ENABLE {os.environ.get('THP_MEM_ALLOC_ENABLE', '-')} here, 1 there; "
           f"load {os.getloadavg()[0]:.2f}) ==")
     print(f"1. body forward: here {r['forward_here_ms']:.2f} ms, on a worker "
           f"{r['forward_remote_ms']:.2f} ms -> ratio {r['ratio']:.3f} (target <= 1.15)")
@@ -155,6 +160,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--compare", action="store_true", help="each transport setting in turn")
     ap.add_argument("--spin", action="store_true", help="keep libgomp's busy-wait here")
+    ap.add_argument("--no-thp", action="store_true",
+                    help="tensors received here in 4 KB pages (no THP_MEM_ALLOC_ENABLE)")
     ap.add_argument("--settings", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -162,7 +169,8 @@ def main() -> int:
     if args.compare:
         for name, s in SETTINGS.items():
             cmd = [sys.executable, __file__, "--settings", json.dumps(s), "--json"]
-            cmd += [a for a in ("--quick", "--spin") if getattr(args, a[2:])]
+            cmd += [a for a in ("--quick", "--spin", "--no-thp")
+                    if getattr(args, a[2:].replace("-", "_"))]
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=900,
                                  env=dict(os.environ))
             line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")]

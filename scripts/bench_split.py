@@ -30,6 +30,10 @@ import time
 # default (busy-waiting ~3 ms after each op, on the cores the worker computes on)
 if "--spin" not in sys.argv:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch reads this once, at its first allocation: large tensors received here land in
+# huge pages, as a worker's do (--no-thp: 4 KB pages; docs/performance.md)
+if "--no-thp" not in sys.argv:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -87,6 +91,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--spin", action="store_true", help="keep libgomp's busy-wait here")
+    ap.add_argument("--no-thp", action="store_true",
+                    help="tensors received here in 4 KB pages (no THP_MEM_ALLOC_ENABLE)")
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(1)
     n = args.steps + 2

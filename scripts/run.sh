@@ -13,6 +13,9 @@ source "$(dirname "$0")/venv.sh"
 # the coordinator computes on the cores its worker computes on: its idle math threads
 # must sleep, not spin (read once when torch is imported; docs/performance.md)
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-PASSIVE}
+# large tensors it receives from the worker land in huge pages, as the worker's do (read
+# once, at torch's first allocation; docs/performance.md)
+export THP_MEM_ALLOC_ENABLE=${THP_MEM_ALLOC_ENABLE:-1}
 cd "$root"
 out=${SOMATIZE_OUT:-$root/outputs/main_job}
 rm -rf "$out"

@@ -32,3 +32,11 @@ class Keeper(Protocol):
 
     def names(self, prefix: str = "") -> Iterator[str]:
         """Every name kept, under ``prefix``."""
+
+
+def items_of_keeper(keeper: Any) -> Any:
+    """What ``keeper`` offers for rows kept one by one (per item, docs/per-item.md): its
+    ``items()``, a ``somatize.store.Items``; None for a keeper without that method. A
+    keeper of your own holds items by answering ``items()`` as ``Store`` does."""
+    offer = getattr(keeper, "items", None)
+    return offer() if callable(offer) else None

@@ -51,6 +51,7 @@ PROBES = 3  # unanswered keepalive probes before the run's coordinator is taken 
 def _serve_run(conn: socket.socket, peer, host: str, store: str | None, children: set,
                keepalive: float, tok: bytes) -> None:
     # one connection is one run: its serving process lives until the run lets go of it
+    from .remote._isolation import NETNS_ENV
     from .remote._secret import RUN_KEY_ENV, Refused, derive, prove, recv_frame, send_frame
 
     with conn:
@@ -63,7 +64,7 @@ def _serve_run(conn: socket.socket, peer, host: str, store: str | None, children
             return
         try:
             req = json.loads(recv_frame(conn, session, 0, MAX_REQUEST))
-            argv, run = _argv(req), req["run"]
+            argv, run, netns = _argv(req), req["run"], _netns(req, host)
             if not isinstance(run, str) or not 8 <= len(run) <= 64:
                 raise ValueError("no run id")
         except (OSError, ValueError, KeyError, TypeError, Refused) as e:
@@ -86,6 +87,9 @@ def _serve_run(conn: socket.socket, peer, host: str, store: str | None, children
         for k in ("SOMATIZE_TOKEN", "SOMATIZE_TOKEN_FILE"):
             env.pop(k, None)  # the run's key is all the serving process needs
         env[RUN_KEY_ENV] = derive(tok, run).hex()
+        env.pop(NETNS_ENV, None)
+        if netns is not None:  # the run's own network namespace: its process enters it
+            env[NETNS_ENV] = f"{netns['path']}#{netns['inode']}"
         proc = subprocess.Popen([sys.executable, "-m", "somatize.remote", *argv],
                                 stdin=subprocess.PIPE, env=env)
         children.add(proc)
@@ -113,6 +117,26 @@ _JOIN = re.compile(r"tcp://[A-Za-z0-9.:\[\]-]{1,100}:[0-9]{1,5}")
 _DEVICE = re.compile(r"(cpu|cuda|mps|xpu)(:[0-9]{1,3})?")
 _OPTIONS = {"transports": list, "channels": (list, type(None)), "rpc_threads": int,
             "timeout": (int, float)}
+
+
+_NETNS_PATH = re.compile(r"/proc/[0-9]{1,10}/fd/[0-9]{1,10}")
+_NETNS_INODE = re.compile(r"net:\[[0-9]{1,20}\]")
+
+
+def _netns(req: dict, host: str) -> dict | None:
+    """The run's network namespace its serving process enters (a coordinator on this
+    machine whose run is isolated): a path of that process and the inode it must be,
+    honoured only by a daemon on loopback (a path of another machine's is not its)."""
+    ns = req.get("netns")
+    if ns is None:
+        return None
+    if not _loopback(host):
+        raise ValueError("a network namespace, asked of a daemon that is not on loopback")
+    if not (isinstance(ns, dict) and isinstance(ns.get("path"), str)
+            and _NETNS_PATH.fullmatch(ns["path"]) and isinstance(ns.get("inode"), str)
+            and _NETNS_INODE.fullmatch(ns["inode"])):
+        raise ValueError(f"netns {str(ns)[:120]!r}")
+    return {"path": ns["path"], "inode": ns["inode"]}
 
 
 def _argv(req: dict) -> list[str]:

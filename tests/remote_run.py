@@ -73,15 +73,21 @@ def listeners(pid, protos: tuple[str, ...] = ("tcp", "tcp6")) -> list[tuple[str,
             continue
         if target.startswith("socket:["):
             mine.add(target[len("socket:["):-1])
-    out = []
-    for proto in protos:
-        with open(f"/proc/{pid}/net/{proto}") as f:
-            for line in f.readlines()[1:]:
+    out = {}
+    # every thread's network namespace: an isolated run listens in one of its own threads'
+    for task in os.listdir(f"/proc/{pid}/task"):
+        for proto in protos:
+            try:
+                with open(f"/proc/{pid}/task/{task}/net/{proto}") as f:
+                    lines = f.readlines()[1:]
+            except OSError:
+                continue  # the thread ended meanwhile
+            for line in lines:
                 fields = line.split()
                 if fields[3] == "0A" and fields[9] in mine:  # 0A: LISTEN
                     addr, port = fields[1].split(":")
-                    out.append((addr, int(port, 16)))
-    return out
+                    out[fields[9]] = (addr, int(port, 16))
+    return list(out.values())
 
 
 def listening(pid) -> list[str]:

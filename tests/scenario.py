@@ -39,7 +39,7 @@ def own_children(environ: Mapping[str, str] | None = None) -> dict[str, str]:
     own child processes, not forked from conftest's warm process: for a scenario that
     finds its workers by their parent's pid."""
     e = dict(environ) if environ else env()
-    e.pop("SOMATIZE_FORKS", None)
+    e["SOMATIZE_FORKS"] = "off"  # no fork server, nor one the strategy would start
     return e
 
 

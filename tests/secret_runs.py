@@ -1,8 +1,10 @@
 """A run for tests/test_secret.py to attack, and the stranger that attacks it.
 
-    python tests/secret_runs.py target READY GO [LISTEN] # a run: says where it listens, waits
+    python tests/secret_runs.py target READY GO [LISTEN [ISOLATE]] # a run: says where it
+                                                         # listens, waits for GO
     python tests/secret_runs.py rendezvous HOST:PORT OUT  # plain torch joins through it
     python tests/secret_runs.py listener ADDR OUT        # TensorPipe straight at a listener
+    python tests/secret_runs.py ports PORTS FILE OUT     # every port: reach it, attack it
 
 The target runs the seeds' graph on an embedded worker, writes READY (JSON: the
 rendezvous, the pids, each process's TensorPipe address as ``ss`` would show it), waits
@@ -25,12 +27,13 @@ from somatize import Graph
 from somatize.remote import runtime_for
 
 
-def target(ready: str, go: str, listen: str = "") -> None:
+def target(ready: str, go: str, listen: str = "", isolate: str = "auto") -> None:
     from somatize.remote import configure
     from somatize.remote._group import group
 
     if listen:  # opened to a network (another test host reaches it)
         configure(listen=listen)
+    configure(isolate=isolate)
 
     torch.manual_seed(0)
     xs = torch.randn(5, 8)
@@ -46,6 +49,7 @@ def target(ready: str, go: str, listen: str = "") -> None:
 
     with open(ready + ".tmp", "w") as f:  # the key too, only so that the test scans for it
         json.dump({"join": grp.join, "pid": os.getpid(), "addrs": addrs, "ckpt": ckpt,
+                   "isolated": grp.netns is not None,
                    "worker_pid": runtime_for(g).peers["gpu"].pid,
                    "key": run_key().hex()}, f)
     os.replace(ready + ".tmp", ready)
@@ -106,7 +110,7 @@ def rendezvous(where: str, out: str) -> None:
     os._exit(0)
 
 
-def listener(addr: str, out: str) -> None:
+def listener(addr: str, out: str, victim_file: str = "") -> None:
     import importlib
 
     import torch.distributed as dist
@@ -128,13 +132,73 @@ def listener(addr: str, out: str) -> None:
     for what, f, a, kw in (("python", fn, args, {}),
                            ("builtin", torch.add, (torch.ones(2), torch.ones(2)), {}),
                            ("from_file", torch.from_file, (secret, False, 6),
-                            {"dtype": torch.uint8})):
+                            {"dtype": torch.uint8}),
+                           ("create", torch.from_file, (victim_file or secret + ".made", True,
+                                                        1 << 20), {"dtype": torch.uint8})):
         try:
             got[what] = repr(rpc.rpc_sync("victim", f, args=a, kwargs=kw, timeout=10))
         except BaseException as e:
             got[what] = f"{type(e).__name__}: {e}"[:300]
+    for _ in range(200):  # what a stranger's many calls add to the run's log
+        try:
+            rpc.rpc_sync("victim", fn, args=args, timeout=10)
+        except BaseException:
+            pass
     _record(out, got)
     os._exit(0)
+
+
+def _host_listens(port: int) -> bool:
+    # a port some other process of this machine's own network listens on is not the run's:
+    # it is never attacked (another user's program, not the target)
+    for proto in ("tcp", "tcp6"):
+        with open(f"/proc/self/net/{proto}") as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].split(":")[1], 16) == port:
+                    return True
+    return False
+
+
+def ports(ports: str, victim_file: str, out: str) -> None:
+    """Try every port the run listens on, as this machine's other users reach them: a TCP
+    connection to 127.0.0.1; where one is accepted, a call of torch's built-ins that
+    creates ``victim_file`` (torch.from_file, shared), then 4 KB of junk."""
+    import socket
+
+    got = {"refused": [], "skipped": [], "reached": {}}
+    for port in map(int, ports.split(",")):
+        if _host_listens(port):
+            got["skipped"].append(port)
+            continue
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        except ConnectionRefusedError:
+            got["refused"].append(port)
+            continue
+        except OSError as e:
+            got["reached"][port] = f"no connection, but not refused: {e}"
+            continue
+        got["reached"][port] = _attack(port, victim_file)
+    _record(out, got)
+    os._exit(0)
+
+
+def _attack(port: int, victim_file: str) -> str:
+    import socket
+    import subprocess
+
+    said = "reached"
+    try:  # in a process of its own: a second group cannot start in this one
+        r = subprocess.run([sys.executable, __file__, "listener", f"127.0.0.1:{port}",
+                            victim_file + ".said", victim_file], capture_output=True,
+                           text=True, timeout=60)
+        said += f"; its built-ins: exit {r.returncode}, {r.stderr[-300:]}"
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(os.urandom(4096))
+    except Exception as e:
+        said += f"; {type(e).__name__}: {e}"
+    return said
 
 
 if __name__ == "__main__":
@@ -148,7 +212,8 @@ if __name__ == "__main__":
                      "torch.distributed.rpc.rref_proxy", "torch.distributed.rendezvous",
                      "torch.distributed.rpc.backend_registry", "torch.distributed.rpc._utils",
                      "torch.distributed.rpc.internal", "torch.distributed.autograd",
-                     "torch._subclasses.schema_check_mode"):  # (a builtin op's call)
+                     "torch._subclasses.schema_check_mode",  # (a builtin op's call)
+                     "encodings.idna", "socket", "subprocess"):  # (reaching a port)
             importlib.import_module(name)
         os.setgid(65534)
         os.setuid(65534)

@@ -175,9 +175,9 @@ def test_the_log_says_whether_a_placed_module_trains_over_there(ran):
     assert "runs and trains on worker 'worker'" in got["trained"][0]
     assert "runs on worker 'worker'" in got["frozen"][0]
     assert "does not train" in got["frozen"][0] and "trains on" not in got["frozen"][0]
-    # a hook put here on a child during fit does not run: said once, naming the child
-    assert len(got["hooked"]) == 1
-    assert "encoder.0" in got["hooked"][0] and "it does not run" in got["hooked"][0]
+    # a hook put here on a child during fit goes to the worker, where the child runs
+    # (tests/test_placed_edges.py): nothing to say about it
+    assert got["hooked"] == []
 
 
 def test_the_math_settings_here_travel_with_each_call(ran):

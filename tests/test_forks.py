@@ -219,3 +219,59 @@ def test_the_fork_server_refuses_what_it_cannot_run_and_serves_on(tmp_path):
         silent.close()
     finally:
         server.close()
+
+
+def test_a_fork_servers_directory_is_gone_after_its_owner_is_killed(tmp_path):
+    # SIGKILL leaves its owner no time to clean up: the server removes its socket's
+    # directory when its stdin closes, and one killed too is swept at the next start
+    import sys
+
+    from somatize.remote._forks import ForkServer
+
+    code = ("import time; from somatize.remote._forks import ForkServer; "
+            "s = ForkServer.start(['json']); print(s.path, s.proc.pid, flush=True); "
+            "time.sleep(120)")
+    owners = []
+    for _ in range(2):
+        p = subprocess.Popen([sys.executable, "-c", code], env=env(), cwd=tmp_path,
+                             stdout=subprocess.PIPE, text=True)
+        path, pid = p.stdout.readline().split()
+        owners.append((p, os.path.dirname(path), int(pid)))
+    (first, where1, _), (second, where2, server2) = owners
+    assert os.path.isdir(where1) and os.path.isdir(where2)
+    first.kill()
+    first.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while os.path.exists(where1) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(where1)
+    os.kill(server2, signal.SIGKILL)  # the server first, then its owner: nobody cleans up
+    second.kill()
+    second.wait(timeout=10)
+    time.sleep(0.5)
+    assert os.path.isdir(where2)
+    ForkServer.start(["json"]).close()
+    assert not os.path.exists(where2)
+
+
+def _children() -> set[int]:
+    me, out = str(os.getpid()), set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[1] == me:
+                    out.add(int(pid))
+        except (OSError, IndexError):
+            continue
+    return out
+
+
+def test_building_the_strategy_starts_no_process():
+    # the warm start begins with the fit (a fork server, unless one is named), never
+    # when a config or LightningCLI only composes a strategy
+    from somatize.lightning import SomatizeStrategy
+
+    before = _children()
+    SomatizeStrategy(place={"encoder": "worker"})
+    time.sleep(0.5)
+    assert _children() == before

@@ -168,3 +168,49 @@ def test_on_the_graph_route_a_mapped_node_that_never_hits_says_so_once(tmp_path,
     text = said()
     assert text.count("found none of its 32 items in the store, which grew by as many") == 1
     assert "['enc']" in text and "random augmentation before the cached node" in text
+
+
+class OwnKeeper:
+    """A keeper of the user's own: named values in a dict, rows through a Store's items()
+    (or none, with ``rows=False``)."""
+
+    def __init__(self, path, rows=True):
+        from somatize.store import Store
+
+        self.values, self.store, self.rows = {}, Store(path), rows
+
+    def get_many(self, names):
+        return [self.values.get(n) for n in names]
+
+    def put(self, name, value, meta=None):
+        from somatize._keeper import Kept
+
+        self.values[name] = Kept(value, dict(meta or {}))
+        return True
+
+    def names(self, prefix=""):
+        return (n for n in self.values if n.startswith(prefix))
+
+    def items(self):
+        if not self.rows:
+            raise AssertionError("not offered")
+        return self.store.items()
+
+
+def test_a_keeper_of_ones_own_holds_items_through_its_items_method(tmp_path):
+    import copy
+
+    module = copy.deepcopy(MLP)
+    module.forward = PerItemForward(module, "body", OwnKeeper(tmp_path / "own"))
+    first = module(X[:16])
+    again = module(X[torch.randperm(16, generator=torch.Generator().manual_seed(2))][:8])
+    assert module.forward.item.hits == 8 and first.shape == (16, 6)
+    assert torch.equal(again, in_a_chunk(MLP, X[:16])[
+        torch.randperm(16, generator=torch.Generator().manual_seed(2))][:8])
+    assert list((tmp_path / "own").rglob("*"))  # the rows are in the Store it offered
+
+    class NoRows(OwnKeeper):
+        items = None  # a keeper of values alone
+
+    with pytest.raises(Refused, match=r"'body' is kept per item.*no items\(\) method"):
+        PerItemForward(copy.deepcopy(MLP), "body", NoRows(tmp_path / "none"))

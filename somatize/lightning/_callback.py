@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from .._errors import Refused
-from .._keeper import Kept
+from .._keeper import Kept, items_of_keeper
 from .._memory import cacheable
 from ..torch import GraphModule, freeze
 from ..torch.cache._cached import CachedForward, counts_there
@@ -52,6 +52,9 @@ class Counting:
 
     def names(self, prefix: str = "") -> Iterator[str]:
         return self.keeper.names(prefix)
+
+    def items(self) -> Any:
+        return items_of_keeper(self.keeper)
 
 
 def graph_modules(module: Any) -> list[GraphModule]:

@@ -90,7 +90,6 @@ class SomatizeStrategy(SingleDeviceStrategy):
         self._lost: str | None = None  # a worker lost with trained state: nothing to save
         self.trains = dict(trains or {})
         self.workers = dict(workers) if workers else None
-        self._warm_up([])
         if store is not None and not isinstance(store, (str, os.PathLike)):
             raise Refused(f"SomatizeStrategy(store={type(store).__name__}): the embedded "
                           "workers are other processes and open a store by its directory: "
@@ -119,13 +118,13 @@ class SomatizeStrategy(SingleDeviceStrategy):
         return {**{h: Worker.embedded(store=self.store) for h in sorted(hosts)}, **given}
 
     def _warm_up(self, graph_modules: list) -> None:
-        # the embedded workers' processes start as soon as their hosts are known (when
-        # the strategy is built, for place=) and import torch while the Trainer is built
-        # and Lightning sets up: the first batch waits only for them to join
+        # with the fit (never in the constructor), a fork server starts importing torch
+        # while Lightning sets up: the embedded workers are forked from it, and the first
+        # batch waits only for them to join
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             return  # torchrun: ranks serve
-        from ..remote import Worker
-        from ..remote._group import group
+        from ..remote import Worker, fork_workers
+        from ..remote._forks import FORKS_ENV
 
         hosts = set(self.place.values())
         for gm in graph_modules:
@@ -133,8 +132,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
         given = self.workers or {}
         embedded = [h for h in hosts if not isinstance(given.get(h), str)
                     and (given.get(h) or Worker.embedded()).kind == "embedded"]
-        if embedded:
-            group().prespawn(len(embedded))
+        if embedded and not os.environ.get(FORKS_ENV):  # none of the user's own
+            fork_workers(wait=False)
 
     @override
     def setup_environment(self) -> None:
@@ -400,9 +399,6 @@ class SomatizeStrategy(SingleDeviceStrategy):
             self._say_where()
         if self._broken:
             self.close()  # a dead worker: nothing over there to keep a session for
-        from ..remote._group import group
-
-        group().drop_warm()  # started for a run that did not need them (refused, say)
         super().teardown()
 
 

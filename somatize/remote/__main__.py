@@ -5,6 +5,10 @@
 
 import sys
 
-from ._serve import main
+from ._isolation import enter_from_env
+
+enter_from_env()  # the run's network namespace, before any socket or thread is made
+
+from ._serve import main  # noqa: E402
 
 sys.exit(main())

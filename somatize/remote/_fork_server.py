@@ -63,7 +63,11 @@ def _serve(path: str, preload: list[str]):
     while True:
         ready, _, _ = select.select([srv, sys.stdin], [], [], 0.05)
         _reap(waiting)
-        if sys.stdin in ready and not os.read(0, 1):
+        if sys.stdin in ready and not os.read(0, 1):  # its owner closed it, or died
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.dirname(path))
             return None
         if srv not in ready:
             continue

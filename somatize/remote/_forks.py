@@ -36,7 +36,7 @@ from ._fork_server import read_at_start
 
 log = logging.getLogger(__name__)
 
-FORKS_ENV = "SOMATIZE_FORKS"  # the socket of the server embedded workers are forked from
+FORKS_ENV = "SOMATIZE_FORKS"  # the server's socket embedded workers are forked from, or off
 WORKER_PRELOAD = ("torch", "torch.distributed.rpc")  # and remote/_private's OPTIMIZER_IMPORTS
 __all__ = ["FORKS_ENV", "WORKER_PRELOAD", "ForkServer", "Forked", "fork_workers", "named",
            "read_at_start"]
@@ -48,13 +48,17 @@ class ForkServer:
 
     def __init__(self, path: str, proc: subprocess.Popen | None = None):
         self.path, self.proc = path, proc
+        self._pending = proc is not None  # started here: "ready" not read yet
+        self._timeout = 180.0
 
     @classmethod
     def start(cls, preload=WORKER_PRELOAD, env: dict[str, str] | None = None,
-              timeout: float = 180.0) -> ForkServer:
+              timeout: float = 180.0, wait: bool = True) -> ForkServer:
         """Start a server that imports ``preload`` first, in ``env`` (default: this
-        process's environment), listening on a socket only this user can reach."""
-        where = tempfile.mkdtemp(prefix="somatize-forks-")  # mode 0700: this user's alone
+        process's environment), listening on a socket only this user can reach.
+        ``wait=False``: return at once; the first ``popen`` waits for it to be ready."""
+        sweep()  # what servers killed before they could clean up left behind
+        where = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")  # 0700: this user's alone
         path = os.path.join(where, "socket")
         # run by path, not as a module of somatize: the server never imports somatize
         program = "import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], " \
@@ -63,20 +67,39 @@ class ForkServer:
             [sys.executable, "-c", program, _fork_server.__file__, path, *preload],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             env=dict(os.environ if env is None else env), cwd=where)
-        ready, _, _ = select.select([proc.stdout], [], [], timeout)
+        server = cls(path, proc)
+        server._timeout = timeout
+        atexit.register(server.close)
+        if wait:
+            server.ready()
+        return server
+
+    def ready(self) -> None:
+        """Wait for a server started with ``wait=False`` to be ready (RuntimeError if it
+        does not start)."""
+        if self._pending is not True:
+            return
+        self._pending = False
+        proc = self.proc
+        ready, _, _ = select.select([proc.stdout], [], [], self._timeout)
         line = proc.stdout.readline() if ready else b""
         if line.strip() != b"ready":
             proc.kill()
             proc.wait(timeout=10)
+            self.close()
             raise RuntimeError(f"the fork server did not start (it said {line!r}, exit code "
                                f"{proc.poll()})")
-        server = cls(path, proc)
-        atexit.register(server.close)
-        return server
 
     @property
     def alive(self) -> bool:
-        """Whether the server still answers (its socket is there, its process lives)."""
+        """Whether the server answers (its socket is there, its process lives), once it
+        is ready."""
+        if self._pending is True:
+            try:
+                self.ready()
+            except RuntimeError as e:
+                log.warning("%s: embedded workers start afresh", e)
+                return False
         return os.path.exists(self.path) and (self.proc is None or self.proc.poll() is None)
 
     def close(self) -> None:
@@ -91,6 +114,7 @@ class ForkServer:
         if self.proc is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
+            with contextlib.suppress(OSError):
                 os.rmdir(os.path.dirname(self.path))
 
     def popen(self, argv: list[str], env: dict[str, str], cwd: str, stdin=None, stdout=None,
@@ -220,27 +244,69 @@ _named: dict[str, ForkServer] = {}
 
 
 def named(env: dict[str, str]) -> ForkServer | None:
-    """The server ``env`` names (``SOMATIZE_FORKS``), if it is there."""
+    """The server ``env`` names (``SOMATIZE_FORKS``), if it is there (``off``: none, and
+    ``SomatizeStrategy`` starts none)."""
     path = env.get(FORKS_ENV)
-    if not path:
+    if not path or path == "off":
         return None
     server = _named.setdefault(path, ForkServer(path))
     return server if server.alive else None
 
 
-def fork_workers(preload=()) -> ForkServer:
+_PREFIX = "somatize-forks-"  # + the owner's pid: a directory of a dead owner is swept
+
+
+def sweep() -> list[str]:
+    """Remove the socket directories of this user's fork servers whose owner is gone (a
+    SIGKILL leaves no time to clean up); returns what was removed."""
+    gone, top = [], tempfile.gettempdir()
+    try:
+        names = os.listdir(top)
+    except OSError:
+        return gone
+    for name in names:
+        owner = name[len(_PREFIX):].partition("-")[0]
+        if not name.startswith(_PREFIX) or not owner.isdigit():
+            continue
+        where = os.path.join(top, name)
+        try:
+            st = os.lstat(where)
+        except OSError:
+            continue
+        if st.st_uid != os.geteuid() or not _gone(int(owner)):
+            continue
+        with contextlib.suppress(OSError):
+            for f in os.listdir(where):
+                os.unlink(os.path.join(where, f))
+            os.rmdir(where)
+            gone.append(where)
+    return gone
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return True  # another user's process now: the directory's owner (this user) is gone
+    return False
+
+
+def fork_workers(preload=(), wait: bool = True) -> ForkServer:
     """Fork the embedded workers that this process, and the processes it starts, start
     from now on, from one warm server that imported torch, its RPC and what building an
     optimizer imports once (and ``preload``, more modules: your model's package): each
     starts in a fraction of a second of a core instead of about 4 s. For many short runs
     in one session (a test suite, a sweep). A worker whose environment sets what torch
     reads at start otherwise than this process did (``OMP_*``, ``TORCH_*``...) starts
-    fresh."""
+    fresh. ``wait=False``: return at once, the server importing meanwhile (the first
+    worker waits for it)."""
     from ._private import OPTIMIZER_IMPORTS
     from ._settings import serving_env
 
     server = ForkServer.start([*WORKER_PRELOAD, *OPTIMIZER_IMPORTS, *preload],
-                              env=serving_env(dict(os.environ)))
+                              env=serving_env(dict(os.environ)), wait=wait)
     os.environ[FORKS_ENV] = server.path
     _named[server.path] = server
     return server

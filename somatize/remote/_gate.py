@@ -22,6 +22,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from . import _exposure
 from ._secret import Refused, prove, recv_frame, send_frame
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class Gate:
     """The coordinator's rendezvous: a store in this process, served to proven peers."""
 
     def __init__(self, host: str, key: bytes, timeout: float):
-        self.key, self.store, self.refused = key, dist.HashStore(), set()
+        self.key, self.store = key, dist.HashStore()
         self.seen: set[str] = set()  # the names of the joiners that proved the key
         self.store.set_timeout(timedelta(seconds=timeout))
         self.sock = socket.create_server((host, 0), backlog=128)
@@ -72,8 +73,7 @@ class Gate:
             except (Refused, OSError) as e:
                 why = str(e) if isinstance(e, Refused) else \
                     f"it did not prove it holds the run's secret ({e.strerror or e})"
-                if peer[0] not in self.refused:  # one line per stranger, not per retry
-                    self.refused.add(peer[0])
+                if _exposure.refused("a join", peer[0]):  # one line per stranger
                     log.warning("refused a join from %s:%s: %s (later attempts from %s are "
                                 "refused without a word)", peer[0], peer[1], why, peer[0])
                 return

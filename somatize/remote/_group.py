@@ -25,10 +25,18 @@ import weakref
 from dataclasses import dataclass, field
 
 from .._errors import WorkerError
-from . import _membership, _private, _sealed, _secret
+from . import _exposure, _membership, _private, _sealed, _secret
 from ._death import process_state, why_exited
-from ._settings import COORDINATOR, _started, backend_options, keep_on_loopback, loopback, settings
-from ._spawn import ask_daemon, spawn, warm
+from ._settings import (
+    COORDINATOR,
+    _started,
+    backend_options,
+    keep_on_loopback,
+    loopback,
+    settings,
+    worker_options,
+)
+from ._spawn import ask_daemon, spawn
 from ._worker import Worker
 
 log = logging.getLogger(__name__)
@@ -79,11 +87,13 @@ class Group:
         self.peers: dict[tuple, Peer] = {}
         self.lock = threading.RLock()
         self.runtimes: weakref.WeakSet = weakref.WeakSet()
-        self.warm: list[subprocess.Popen] = []  # started early, waiting to be told to join
         self.holds = 0  # keep_workers() blocks open: a worker nobody uses waits for the next
+        self.netns = None  # the run's network namespace (_isolation.Namespace), if any
 
     # -- the agent ----------------------------------------------------------------
-    def start(self) -> None:
+    def start(self, specs=()) -> None:
+        """Start this process's agent (once); ``specs``: the workers the first run asks
+        for, which say whether its listeners can be kept to the run (``_exposure``)."""
         with self.lock:
             if self.started:
                 return
@@ -92,6 +102,8 @@ class Group:
             if self.static is not None:  # torchrun: every rank is known, MASTER_* set
                 from ._torchrun_rendezvous import drop_key_file, rendezvous
 
+                _exposure.isolate(os.environ.get("MASTER_ADDR", "127.0.0.1"), specs,
+                                  torchrun=True)
                 init = rendezvous(0)  # somatize's own, gated; never torchrun's store
                 rpc.init_rpc(COORDINATOR, rank=0, world_size=self.world,
                              rpc_backend_options=backend_options(init, settings))
@@ -102,13 +114,19 @@ class Group:
                     keep_on_loopback()
                 key = _secret.run_key()
                 _sealed.seal(key)  # before the first message: every one carries its MAC
-                self._gate = _membership.rendezvous(host, key, settings["timeout"])
-                self._store, port = self._gate.store, self._gate.port
-                self.join = f"tcp://{host}:{port}"
-                rpc.init_rpc(COORDINATOR, rank=0, world_size=None,
-                             rpc_backend_options=backend_options(f"somatize://{host}:{port}",
-                                                                 settings))
-                _membership.expect_closed_pipes(settings["timeout"])
+                self.netns = _exposure.isolate(host, specs)
+
+                def begin():  # inside the run's namespace, where there is one
+                    gate = _membership.rendezvous(host, key, settings["timeout"])
+                    rpc.init_rpc(COORDINATOR, rank=0, world_size=None,
+                                 rpc_backend_options=backend_options(
+                                     f"somatize://{host}:{gate.port}", settings))
+                    _membership.expect_closed_pipes(settings["timeout"])
+                    return gate
+
+                self._gate = self.netns.run(begin) if self.netns else begin()
+                self._store = self._gate.store
+                self.join = f"tcp://{host}:{self._gate.port}"
             self.started = _started[0] = True
             atexit.register(self.shutdown)
             log.debug("RPC group started (%s)", self.join or "torchrun")
@@ -119,7 +137,7 @@ class Group:
     # -- workers ------------------------------------------------------------------
     def peer(self, host: str, spec: Worker) -> Peer:
         """The worker process serving ``host`` as ``spec`` says, started if need be."""
-        self.start()
+        self.start([spec])
         key = (spec.kind, spec.address or spec.torchrun_rank or (host, spec.store, spec.threads),
                spec.device)
         with self.lock:
@@ -166,15 +184,17 @@ class Group:
         name, rank = self._name(host), self.next_rank
         self.next_rank += 1
         cmd = ["--name", name, "--rank", str(rank), "--join", self.join,
-               "--options", json.dumps({k: v for k, v in settings.items() if k != "listen"}),
+               "--options", json.dumps(worker_options()),
                "--threads", str(spec.threads or _threads_here())]
         if spec.device is not None:
             cmd += ["--device", spec.device]
         if spec.kind == "standing":
             p = Peer(name, host, "standing", spec.timeout, rank=rank)
             request = {"name": name, "rank": rank, "join": self.join,
-                       "options": {k: v for k, v in settings.items() if k != "listen"},
+                       "options": worker_options(),
                        "threads": spec.threads or _threads_here(), "device": spec.device}
+            if self.netns is not None:  # its serving process enters the run's namespace
+                request["netns"] = {"path": self.netns.path, "inode": self.netns.inode}
             p.conn, reply = ask_daemon(spec.address, host, request, spec.timeout)
             p.pid = reply.get("pid")
         else:
@@ -186,33 +206,9 @@ class Group:
                          "OMP_WAIT_POLICY=PASSIVE (before torch is imported) so that its idle "
                          "math threads sleep instead of spinning while the worker computes "
                          "(docs/performance.md)", host)
-            p.proc = self._take_warm(cmd) or spawn(cmd)
+            p.proc = spawn(cmd, self.netns)
             p.pid = p.proc.pid
         return p
-
-    def prespawn(self, n: int) -> None:
-        """Have ``n`` serving processes start now and import torch, before anyone needs
-        them: a later embedded worker takes one and only joins (its imports are done)."""
-        with self.lock:
-            self.warm = [w for w in self.warm if w.poll() is None]
-            while len(self.warm) < n:
-                self.warm.append(spawn(["--warm"]))
-
-    def drop_warm(self) -> None:
-        """End the warm processes nobody took (their stdin closes: they exit)."""
-        with self.lock:
-            warm, self.warm = self.warm, []
-        for w in warm:  # it has joined nothing and holds nothing: stopped at once
-            w.kill()
-            w.wait(timeout=10)
-            w.stdin.close()
-
-    def _take_warm(self, cmd: list[str]):
-        while self.warm:
-            w = self.warm.pop(0)
-            if warm(w, cmd):
-                return w
-        return None
 
     def wait_joined(self, peers: list[Peer]) -> None:
         """Wait until each of ``peers`` has joined the group (or say why it did not)."""
@@ -297,24 +293,31 @@ class Group:
 
         self._drop(p)
         force = force or p.unanswered  # a call to it timed out: do not wait on it again
+        unanswered = None  # why the stop got no answer, if it got none
         if p.why_dead() is None and not force:
             try:
                 rpc.rpc_sync(p.name, _serve.stop, timeout=min(p.timeout, 10.0))
             except Exception as e:
-                # a worker that took the stop may leave before its answer is written (EOF
-                # here, under load): it took it if it then exits by itself
-                if not self._exits(p):
-                    log.warning("worker %r did not take the stop: %s", p.host, e)
-                    force = True
+                # a worker that takes the stop may close its pipes before its answer is
+                # out (EOF): it took it if it exits; only one that does not is said
+                unanswered = e
+                force = p.proc is None or process_state(p.proc.pid) == "T"  # (stopped)
         if p.proc is not None:
             if p.proc.stdin:
                 p.proc.stdin.close()
             try:
                 p.proc.wait(timeout=0.1 if force else min(p.timeout, 20.0))
+                if unanswered is not None:
+                    log.debug("worker %r left before its stop was answered (%s)", p.host,
+                              unanswered)
             except subprocess.TimeoutExpired:
-                log.warning("worker %r (pid %d) did not exit: killing it", p.host, p.proc.pid)
+                log.warning("worker %r (pid %d) did not exit%s: killing it", p.host,
+                            p.proc.pid, "" if unanswered is None else
+                            f" (nor answer the stop: {unanswered})")
                 p.proc.kill()
                 p.proc.wait(timeout=10)
+        elif unanswered is not None:
+            log.warning("worker %r did not take the stop: %s", p.host, unanswered)
         elif p.kind == "standing" and not force:
             deadline = time.monotonic() + min(p.timeout, 20.0)
             while p.name in self.names() and time.monotonic() < deadline:
@@ -324,19 +327,6 @@ class Group:
             p.conn = None
         if p.why_dead() is not None or force:
             self.forget(p)
-
-    @staticmethod
-    def _exits(p: Peer) -> bool:
-        """Whether ``p``'s process ends by itself with code 0 within its stop's time (a
-        standing worker's process is its daemon's: it leaves the group, seen later)."""
-        if p.proc is None:
-            return p.kind == "standing"
-        if p.proc.stdin:
-            p.proc.stdin.close()  # what it waits for once the stop is taken, if anything
-        try:
-            return p.proc.wait(timeout=min(p.timeout, 10.0)) == 0
-        except subprocess.TimeoutExpired:
-            return False
 
     def forget(self, p: Peer) -> None:
         """Take a dead worker out of the group, so later ones can still join."""
@@ -351,8 +341,6 @@ class Group:
 
     def shutdown(self) -> None:
         """Close every runtime, stop every worker, leave RPC (at interpreter exit)."""
-        self.drop_warm()
-        import torch.distributed.rpc as rpc
 
         for rt in list(self.runtimes):
             try:
@@ -364,11 +352,39 @@ class Group:
                 self.stop(p)
         if self.started:
             self.started = False
-            try:
-                # a torchrun group ends together; a dynamic one has nobody left to wait for
-                rpc.shutdown(graceful=self.static is not None, timeout=settings["timeout"])
-            except Exception as e:
-                log.warning("RPC shutdown: %s", e)
+            _leave(graceful=self.static is not None)
+            _exposure.closing()  # how many calls and joins were refused, if any
+            if self.netns is not None:
+                self.netns.close()
+
+
+def _leave(graceful: bool) -> None:
+    # a torchrun group ends together; a dynamic one has nobody left to wait for. The
+    # agent's own shutdown has no time limit (it waits for every RPC thread's work): it
+    # is bounded here, and where it hangs is said, never waited on for ever
+    import torch.distributed.rpc as rpc
+
+    done = threading.Event()
+
+    def leave():
+        try:
+            rpc.shutdown(graceful=graceful, timeout=settings["timeout"])
+        except Exception as e:
+            log.warning("RPC shutdown: %s", e)
+        finally:
+            done.set()
+
+    try:
+        threading.Thread(target=leave, daemon=True, name="somatize-rpc-shutdown").start()
+    except RuntimeError:  # no new thread at interpreter exit (Python 3.12+): unbounded
+        leave()
+    limit = settings["timeout"] + 10.0  # a graceful one waits up to the timeout itself
+    if not done.wait(limit):
+        import faulthandler
+
+        log.warning("RPC did not shut down within %g s: this process goes on without it "
+                    "(where each thread is follows)", limit)
+        faulthandler.dump_traceback(all_threads=True)
 
 
 _group: Group | None = None

@@ -81,8 +81,10 @@ class Runtime:
         with self._lock:
             hosts = list(hosts if hosts is not None else self.hosts)
             fresh = [h for h in hosts if h not in self.peers]
+            specs = {h: self.spec(h) for h in fresh}
+            group().start(list(specs.values()))  # they say whether the run can be isolated
             for h in fresh:
-                spec = self.spec(h)
+                spec = specs[h]
                 self.peers[h], self.timeout[h] = group().peer(h, spec), spec.timeout
             group().wait_joined([self.peers[h] for h in fresh])
             for h in fresh:

@@ -20,19 +20,35 @@ from __future__ import annotations
 import hmac
 import logging
 
-from . import _private
+from . import _exposure, _private
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"SMZ1"
 _HASH = "sha256"  # HMAC-SHA256
 _N = len(MAGIC) + 32
-_said = [False]
 
 
-class NotOfThisRun(AttributeError):
-    """What a refused message unpickles to (torch runs nothing for an AttributeError:
-    ``internal._run_function`` raises it back to the caller)."""
+def _refuse():
+    from torch.distributed.rpc.internal import RemoteException
+
+    return RemoteException(_REFUSAL, AttributeError)
+
+
+_REFUSAL = "refused: this call does not carry the run's MAC; only processes of the run may call it"
+
+
+def _refusal():
+    """What a refused message unpickles to: as a call, a function answering the caller an
+    error (torch's ``_run_function`` runs its ``func``, and prints nothing: a raised one it
+    would print, traceback and all, once per call); as an answer, that error itself."""
+    from torch.distributed.rpc.internal import RemoteException
+
+    class Refusal(RemoteException):
+        __slots__ = ()
+        func, args, kwargs = staticmethod(_refuse), (), {}
+
+    return Refusal(_REFUSAL, AttributeError)
 
 
 def seal(key: bytes) -> None:
@@ -48,13 +64,12 @@ def seal(key: bytes) -> None:
         data = bytes(binary_data)
         if data[:len(MAGIC)] != MAGIC or not hmac.compare_digest(
                 data[len(MAGIC):_N], hmac.digest(key, data[_N:], _HASH)):
-            if not _said[0]:
-                _said[0] = True
+            # TensorPipe does not say who sent it: every stranger is one "peer" here
+            if _exposure.refused("a call", "a peer outside the run"):
                 log.warning("refused a call that does not carry this run's MAC (a peer "
                             "outside the run reached this process's RPC listener): nothing "
                             "in it was unpickled or run")
-            return NotOfThisRun("refused: this call does not carry the run's MAC; only "
-                                "processes of the run may call it")
+            return _refusal()
         return cls.deserialize(p, data[_N:], tensor_table)
 
     p.serialize, p.deserialize = serialize, deserialize

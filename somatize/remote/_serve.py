@@ -257,30 +257,9 @@ def _watch_stdin() -> None:
         os._exit(0)
 
 
-def _args_from_stdin() -> list[str] | None:
-    # a warm process: torch and somatize imported first, then told whom to join (one line
-    # on stdin); the pipe stays open as the sign that the coordinator lives
-    import torch.distributed.rpc  # noqa: F401
-
-    import somatize.torch  # noqa: F401
-
-    line = b""
-    while not line.endswith(b"\n"):
-        got = os.read(0, 1)  # byte by byte: what follows the line is the watcher's
-        if not got:
-            return None  # the coordinator went away before needing us
-        line += got
-    return json.loads(line)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Join the run's RPC group under ``--name`` and serve until told to stop."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv == ["--warm"]:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        argv = _args_from_stdin()
-        if argv is None:
-            return 0
     ap = argparse.ArgumentParser(prog="python -m somatize.remote")
     ap.add_argument("--name", required=True)
     ap.add_argument("--rank", type=int, required=True)
@@ -332,5 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         rpc.shutdown(graceful=True, timeout=opts.get("timeout", 60.0))
     except Exception as e:  # leaving cleanly is best effort; exiting is not
         log.warning("leaving the group failed: %s", e)
+    from ._exposure import closing
+
+    closing()  # how many calls from outside the run were refused, if any
     return 0
 

@@ -25,6 +25,8 @@ settings: dict[str, Any] = {
     "channels": None,  # TensorPipe's own choice
     "rpc_threads": 16,
     "timeout": DEFAULT_TIMEOUT,
+    # keep a one-machine run's listeners to its own processes (_exposure)
+    "isolate": os.environ.get("SOMATIZE_ISOLATE", "auto"),
 }
 _started = [False]  # set by the group once RPC runs: settings can no longer change
 
@@ -40,6 +42,11 @@ def configure(**given: Any) -> None:
         channels: TensorPipe channels, e.g. ``["basic"]`` (None: TensorPipe's choice).
         rpc_threads: threads each process serves calls with.
         timeout: seconds a join or a shutdown may take.
+        isolate: ``"auto"`` (default): a run whose processes are all on this machine
+            listens inside a network namespace of its own, which no other user reaches,
+            where the system allows it, and otherwise says once what is exposed and the
+            fix; ``"require"``: refuse to start where it cannot; ``"off"``: never, silently.
+            ``SOMATIZE_ISOLATE`` in the environment sets the default.
     """
     unknown = set(given) - set(settings)
     if unknown:
@@ -48,6 +55,12 @@ def configure(**given: Any) -> None:
         raise WorkerError("configure() must be called before the first run starts RPC in "
                           "this process (it cannot be restarted: pytorch#46491)")
     settings.update(given)
+
+
+def worker_options() -> dict[str, Any]:
+    """The settings a worker is started with: the transport's, not where or whether
+    this coordinator listens."""
+    return {k: v for k, v in settings.items() if k not in ("listen", "isolate")}
 
 
 def backend_options(init_method: str, opts: dict):

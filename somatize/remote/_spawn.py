@@ -21,6 +21,7 @@ import sys
 from .._errors import WorkerError
 from ._forks import Forked
 from ._forks import named as forks_named
+from ._isolation import NETNS_ENV
 from ._secret import (
     RUN_KEY_ENV,
     TOKEN_ENV,
@@ -36,24 +37,15 @@ from ._secret import (
 from ._settings import loopback, loopback_iface, serving_env, settings
 
 
-def warm(proc: subprocess.Popen, argv: list[str]) -> bool:
-    """Tell a warm process (``spawn(["--warm"])``: torch imported, waiting) whom to join;
-    False when it is gone."""
-    if proc.poll() is not None:
-        return False
-    try:
-        proc.stdin.write(json.dumps(argv).encode() + b"\n")
-        proc.stdin.flush()
-    except OSError:
-        return False
-    return True
-
-
-def spawn(argv: list[str]) -> subprocess.Popen | Forked:
-    """Start a serving process on this machine; it exits when its stdin closes. With
-    ``["--warm"]`` it imports torch and waits for its arguments (``warm``). Forked from
-    the server ``SOMATIZE_FORKS`` names, where there is one (``fork_workers``)."""
+def spawn(argv: list[str], netns=None) -> subprocess.Popen | Forked:
+    """Start a serving process on this machine; it exits when its stdin closes. Forked
+    from the server ``SOMATIZE_FORKS`` names, where there is one (``fork_workers``).
+    ``netns``: the run's network namespace (``_isolation.Namespace``), which it enters
+    before it makes a socket."""
     env = serving_env(dict(os.environ))
+    env.pop(NETNS_ENV, None)
+    if netns is not None:
+        env[NETNS_ENV] = netns.path  # opened there as this user: no other user may
     if loopback(settings["listen"]) or not env.get("TP_SOCKET_IFNAME"):
         env["TP_SOCKET_IFNAME"] = loopback_iface()  # never wider than the coordinator
     # what imports here imports there: the script's directory and every path of this process

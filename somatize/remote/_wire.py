@@ -85,6 +85,7 @@ def resolve(value: Any) -> Any:
 
 
 _PLACED, _PLACED_MESSAGES = ("Call", "Answer"), "somatize.torch.placed._messages"
+_PLAIN = frozenset({str, bytes, int, float, bool, type(None)})
 
 
 def bytes_of(value: Any) -> int:
@@ -97,10 +98,16 @@ def bytes_of(value: Any) -> int:
     while todo and seen < 10000:  # bounded: a pathological structure is not walked whole
         v = todo.pop()
         seen += 1
+        t = type(v)  # the exact types first: no call for what every message holds
+        if t in _PLAIN:
+            continue
+        if t is tuple or t is list:
+            todo.extend(v)
+            continue
         if isinstance(v, plain):
             continue
         if isinstance(v, tensor):
-            total += v.nelement() * v.element_size()
+            total += v.nbytes
         elif isinstance(v, dict):
             todo.extend(v.values())
         elif isinstance(v, (list, tuple)):

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from .._errors import StoreError
-from .._keeper import Kept
+from .._keeper import Kept, items_of_keeper
 from .._say import say_once
 from ._store import Store
 
@@ -51,6 +51,10 @@ class Guarded:
         except Exception as e:
             self._said("names", e)
             return iter(())
+
+    def items(self) -> Any:
+        """The wrapped keeper's per-item part, where it offers one (else None)."""
+        return items_of_keeper(self.keeper)
 
     def _odd(self, k: Any) -> Kept | None:
         if isinstance(k, tuple) and len(k) == 2 and isinstance(k[1], Mapping):

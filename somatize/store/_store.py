@@ -66,6 +66,15 @@ class Store:
         self.shared = shared
         self._made = False  # its directories made (with their modes) by this object
 
+
+    def items(self) -> Any:
+        """This store's per-item part (``Items``): rows kept under their own keys, in
+        packs and an index beside the named values (docs/per-item.md).
+
+            rows = Store(".soma").items().space(key).lookup([row_key])"""
+        from ._items import Items
+
+        return Items(self.path, fsync=self.fsync, shared=self.shared)
     def setup(self) -> None:
         """Make the store's directories (with their modes); OSError when it cannot be
         written (another user's store, a read-only disk)."""

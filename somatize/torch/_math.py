@@ -12,7 +12,9 @@ that API.
 
 from __future__ import annotations
 
+import functools
 import logging
+import operator
 import os
 from collections.abc import Callable
 
@@ -22,15 +24,9 @@ log = logging.getLogger(__name__)
 
 
 def _attr(path: str) -> tuple[str, Callable, Callable]:
-    *owner, name = path.split(".")
-
-    def where():
-        o = torch
-        for part in owner:
-            o = getattr(o, part)
-        return o
-
-    return (path, lambda: getattr(where(), name), lambda v: setattr(where(), name, v))
+    owner, name = path.rsplit(".", 1)
+    read, where = operator.attrgetter(path), operator.attrgetter(owner)  # (C: one call a read)
+    return (path, functools.partial(read, torch), lambda v: setattr(where(torch), name, v))
 
 
 def _set_env(name: str, value: str | None) -> None:

@@ -152,6 +152,45 @@ def own_tensors(m: torch.nn.Module) -> tuple[tuple, tuple]:
     return tuple(m._parameters.values()), tuple(m._buffers.values())
 
 
+def own_structure(m: torch.nn.Module) -> tuple[dict, dict, frozenset, dict]:
+    """``m``'s own parameters, buffers (each by name, in registration order, ``None``
+    where one is registered as None), the names of its non-persistent buffers, and its
+    own children: copies, read when a placed module's structure changed."""
+    return (dict(m._parameters), dict(m._buffers), frozenset(m._non_persistent_buffers_set),
+            dict(m._modules))
+
+
+# the dictionaries of a module that hold its forward and backward hooks
+HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+              "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+              "_backward_pre_hooks", "_is_full_backward_hook")
+
+
+def hook_dicts(m: torch.nn.Module) -> list:
+    """The dictionaries ``hook_count`` counts the entries of (their lengths, read per call
+    at C speed, tell a hook put or removed)."""
+    return [_need(m, attr, "the hooks put on a placed module's children") for attr in _HOOKS]
+
+
+def hooks_of(m: torch.nn.Module) -> dict:
+    """``m``'s own hook dictionaries (copies), by name, as ``set_hooks`` takes them."""
+    return {k: (v.copy() if isinstance(v, dict) else v) for k in HOOK_DICTS
+            if (v := m.__dict__.get(k, None)) is not None or k in m.__dict__}
+
+
+def set_hooks(m: torch.nn.Module, hooks: dict) -> None:
+    """Give ``m`` the hooks ``hooks_of`` read (of another copy of it)."""
+    m.__dict__.update(hooks)
+
+
+def engine_will_run(node: Any) -> bool:
+    """Inside a backward: whether the running pass will run ``node`` (a leaf's gradient
+    accumulator): true for ``.backward()``, false for ``autograd.grad(out, inputs)``
+    where the leaf is not among the inputs (torch has no public way to ask)."""
+    return _need(torch._C, "_will_engine_execute_node",
+                 "telling .backward() from autograd.grad through a placed module")(node)
+
+
 _END = object()  # where a module's parameters end, then its buffers (in ``structure``)
 
 

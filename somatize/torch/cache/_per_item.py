@@ -20,6 +20,7 @@ length-prefixed pieces): no row can be named like a whole value.
 from __future__ import annotations
 
 import json
+import os
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -28,6 +29,7 @@ import torch
 from blake3 import blake3
 
 from ..._errors import Refused
+from ..._keeper import items_of_keeper
 from ..._keys import changed, digest, state_of_call
 from ..._naming import _fingerprint_of, live_state
 from ..._node import kind_of
@@ -71,19 +73,13 @@ def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
 
 
 def items_of(store: Any) -> Items | None:
-    """The per-item part of a store given as a path, a Store, or a keeper wrapping one."""
-    seen = 0
-    while store is not None and seen < 8:
-        if isinstance(store, Items):
-            return store
-        if isinstance(store, str) or hasattr(store, "__fspath__"):
-            return Items(store)
-        path = getattr(store, "path", None)
-        if path is not None and hasattr(store, "gc"):  # a somatize.store.Store
-            return Items(path, fsync=getattr(store, "fsync", False),
-                         shared=getattr(store, "shared", False))
-        store, seen = getattr(store, "keeper", None), seen + 1
-    return None
+    """The per-item part of a store: a directory's, or what a keeper offers through its
+    public ``items()`` (a Store, a wrapper of one, a keeper of the user's own)."""
+    if store is None or isinstance(store, Items):
+        return store
+    if isinstance(store, (str, os.PathLike)):
+        return Items(store)
+    return items_of_keeper(store)
 
 
 class PerItem:
@@ -297,8 +293,9 @@ class PerItemForward(CachedForward):
         if items_of(self.store) is None:
             raise Refused(
                 f"module {path!r} is kept per item, which needs a store directory (its packs "
-                f"and index are files), not a {type(store).__name__}: give SomatizeCache "
-                "store='/scratch/soma' or a somatize.store.Store")
+                f"and index are files), and a {type(store).__name__} offers none (no "
+                "items() method): give SomatizeCache store='/scratch/soma', a "
+                "somatize.store.Store, or a keeper whose items() answers as Store.items()")
         self.item = PerItem(path, self.kind, self.store, salt, exact)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -89,23 +89,24 @@ class FreshBuffer(torch.Tensor):
 
 def fresh(link: Any) -> None:
     """Make ``link.module``'s plain parameters and buffers answer reads current."""
+    made = link.__dict__.setdefault("freshened", [])  # (a replaced one keeps it till fit ends)
     for p in link.module.parameters():
         if type(p) is torch.nn.Parameter:
             p.__class__ = FreshParameter
             _owner[id(p)] = link
+            made.append(p)
     for b in link.module.buffers():
         if type(b) is torch.Tensor:
             b.__class__ = FreshBuffer
             _owner[id(b)] = link
+            made.append(b)
 
 
 def unfresh(link: Any) -> None:
     """Their own classes again."""
-    for p in link.module.parameters():
-        if type(p) is FreshParameter:
-            p.__class__ = torch.nn.Parameter
-            _owner.pop(id(p), None)
-    for b in link.module.buffers():
-        if type(b) is FreshBuffer:
-            b.__class__ = torch.Tensor
-            _owner.pop(id(b), None)
+    for t in link.__dict__.pop("freshened", []):
+        if type(t) is FreshParameter:
+            t.__class__ = torch.nn.Parameter
+        elif type(t) is FreshBuffer:
+            t.__class__ = torch.Tensor
+        _owner.pop(id(t), None)

@@ -6,7 +6,8 @@ The module travels once (as a node of a one-node-per-module graph, on a ``Sessio
 a call sends a ``Call`` (its arguments, the RNG state, the grad mode...) and comes back
 with an ``Answer`` (the outputs, the advanced RNG state: ``_messages.py``); the autograd
 graph here holds one ``_Remote`` node per call whose backward sends dL/d(outputs) and
-receives dL/d(arguments). The weights'
+receives dL/d(arguments) (a second backward, ``autograd.grad`` on the inputs and
+``create_graph`` included: ``_Remote``). The weights'
 gradients accumulate over there, where optimizers that mirror the ones here (group by
 group, hyper-parameters sent with each step) apply them.
 
@@ -26,12 +27,12 @@ from typing import Any
 import torch
 
 from .._pickling import dumps
-from .._private import plainly
+from .._private import engine_will_run, plainly
 from .._raised import Raised, rebuilt
 from .._state import restore
 from ._fresh import fresh, unfresh
 from ._messages import Bare, Call, Pickled, Same, pack, spread, unpack
-from ._module_ops import Sent
+from ._module_ops import Free, Sent
 from ._ordinary import into
 from ._routing import Routing
 from ._there import _backward, _call, _state, _weights
@@ -43,20 +44,38 @@ log = logging.getLogger(__name__)
 class _Remote(torch.autograd.Function):
     """One call over there, as a node of the autograd graph here: its outputs are the
     answer's tensors; its backward sends dL/d(outputs) and answers dL/d(the arguments
-    that asked for one, ``needs``)."""
+    that asked for one, ``needs``). Whether the pass accumulates into the weights over
+    there (``.backward()``, not ``autograd.grad`` on the inputs) is told by whether it
+    runs the ``anchor``'s accumulator; under ``create_graph`` the gradients it answers are
+    the outputs of a call of their own (so a second backward reaches over there too).
+    What the call keeps over there is freed when this node is (``_Ticket``)."""
 
     @staticmethod
-    def forward(ctx, link, number, needs, outs, alive, anchor, *inputs):
+    def forward(ctx, link, number, needs, outs, alive, acc, anchor, *inputs):
         ctx.set_materialize_grads(False)
-        ctx.link, ctx.number, ctx.needs = link, number, needs
+        ctx.link, ctx.number, ctx.needs, ctx.acc = link, number, needs, acc
+        ctx.ticket = _Ticket(link, number)
+        ctx.inputs = inputs  # (held, not saved: a later in-place write here is no error)
         ctx.mark_non_differentiable(*[t for t, a in zip(outs, alive, strict=True)
                                       if not (a and t.is_floating_point())])
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        back = ctx.link._backward(ctx.number, ctx.needs, grads)
-        return (None, None, None, None, None, None, *back)
+        back = ctx.link._backward(ctx, grads)
+        return (None, None, None, None, None, None, None, *back)
+
+
+class _Ticket:
+    """Frees what call ``number`` keeps over there when the graph here lets it go."""
+
+    __slots__ = ("link", "number")
+
+    def __init__(self, link: Link, number: int):
+        self.link, self.number = link, number
+
+    def __del__(self):
+        self.link.freed.append(self.number)
 
 
 class Link:
@@ -68,6 +87,8 @@ class Link:
     for the next message; ``backwards``, the backwards sent without waiting whose
     answers are not read yet; whether the weights here are ``stale``, and whether a fit
     is on (``fitting``)."""
+
+    stands_in = True  # (its forward, set on the module while its hooks run here, is no attribute)
 
     def __init__(self, part: Any, name: str, module: torch.nn.Module, host: str,
                  here: torch.device | None = None):
@@ -83,6 +104,7 @@ class Link:
         self.calls = itertools.count()
         self.ops: list = []  # steps, zero_grads, modes, writes: sent with the next message
         self.backwards: list = []  # sent and not yet answered (read before the next)
+        self.freed: list = []  # calls whose graph here is gone: what they keep there goes
         self.routing = Routing(self)
         self.sent: Sent | None = None  # at install
         self.buffered = False  # the module has buffers (a call over there may move them)
@@ -93,9 +115,15 @@ class Link:
     def install(self) -> None:
         """Route the module's calls to the worker, its children's refused here."""
         self.routing.install()
-        self.sent = Sent(self.module)
+        self.sent = Sent(self.module, self.name, self._restructured)
         self.buffered = any(True for _ in self.module.buffers())
         fresh(self)  # its weights here answer reads current
+
+    def _restructured(self) -> None:
+        # a child, parameter or buffer registered here (sent with the next message)
+        self.routing.reinstall()
+        self.buffered = any(True for _ in self.module.buffers())
+        fresh(self)
 
     def uninstall(self) -> None:
         unfresh(self)
@@ -105,7 +133,7 @@ class Link:
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         sent = self.sent
         sent.writes(self.ops)
-        self.routing.catch_hooks()
+        self.routing.hooks(self.ops)  # put on its children here since: they run there
         structure = spread(args, kwargs)  # distinct tensors only: no structure to pickle
         if structure is None:
             flat, spec = tree_flatten((args, kwargs))
@@ -117,6 +145,8 @@ class Link:
         needs = [grad and t.requires_grad for t in tensors]
         crossing = [t.detach().cpu() for t in tensors]  # (no device maps: on the CPU)
         sent.settings(self.ops)  # modes, requires_grad, a dropout's p...
+        if self.freed:
+            self.ops.append(Free(self._freed()))
         # the math settings (threads, TF32...) as the session sends them, when changed
         self.part.follow_math([self.host])  # (ordered: they arrive before this call)
         ops, self.ops = self.ops, []
@@ -134,9 +164,8 @@ class Link:
         self.part.add(self.name, answer.pid)
         self.stale = self.stale or self.buffered  # its buffers may have moved over there
         if answer.kept:  # something over there asks for dL/d(outputs): the call is in the graph
-            anchor = torch.empty(0, requires_grad=True)
-            outs = _Remote.apply(self, call.number, needs, outs, answer.alive, anchor,
-                                 *[t for t, need in zip(tensors, needs, strict=True) if need])
+            outs = self._node(call.number, needs, outs, answer.alive,
+                              [t for t, need in zip(tensors, needs, strict=True) if need])
         out = answer.structure
         if type(out) is Bare:  # one tensor, or a tuple of them
             return outs[0] if out.lone else tuple(outs)
@@ -148,10 +177,43 @@ class Link:
             into((args, kwargs), changed, self.name)
         return out
 
-    def _backward(self, number: int, needs: list[bool], grads: tuple) -> list:
+    def _node(self, number: int, needs: list, outs: list, alive: list, inputs: list) -> tuple:
+        # the call as a node of the graph here (its anchor tells .backward() from grad())
+        anchor = torch.empty(0, requires_grad=True)
+        acc = torch.autograd.graph.get_gradient_edge(anchor).node
+        return _Remote.apply(self, number, needs, outs, alive, acc, anchor, *inputs)
+
+    def _freed(self) -> tuple:
+        freed, self.freed = self.freed, []
+        return tuple(freed)
+
+    def _backward(self, ctx: Any, grads: tuple) -> list:
+        number, needs = ctx.number, ctx.needs
+        if self.freed:
+            self.ops.append(Free(self._freed()))
         ops, self.ops = self.ops, []
-        args = (_backward, self.name, number,
-                [None if g is None else g.detach().cpu() for g in grads], ops)
+        # .backward() accumulates into the weights over there; autograd.grad(out, inputs)
+        # with them not among the inputs does not
+        accumulate = engine_will_run(ctx.acc)
+        create = torch.is_grad_enabled()  # create_graph=True: the answer is differentiable
+        crossing = [None if g is None else g.detach().cpu() for g in grads]
+        if create:
+            then = next(self.calls)
+            asks = [g is not None and g.requires_grad for g in grads]
+            back, alive = self._rpc(_backward, self.name, number, crossing, ops, accumulate,
+                                    then, asks)
+            inputs = ctx.inputs
+            given = [g for g, ask in zip(grads, asks, strict=True) if ask]
+            there = [g for g in back if g is not None]
+            if there:
+                here = self.here
+                there = [t.to(here) for t in there]
+                live = [a for g, a in zip(back, alive, strict=True) if g is not None]
+                there = iter(self._node(then, [*asks, *[True] * len(inputs)], there, live,
+                                        [*given, *inputs]))
+            back = [None if g is None else next(there) for g in back]
+            return [g for g, need in zip(back, needs, strict=True) if need]
+        args = (_backward, self.name, number, crossing, ops, accumulate)
         if not any(needs):
             # nothing here waits for dL/d(arguments): the backward over there overlaps with
             # the rest of this one; the next message to the worker waits for it first
@@ -196,6 +258,8 @@ class Link:
     def call(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(live, name, *args, ops)`` over there now: what is queued goes with it,
         to be done first."""
+        if self.freed:
+            self.ops.append(Free(self._freed()))
         ops, self.ops = self.ops, []
         return self._rpc(fn, self.name, *args, ops)
 

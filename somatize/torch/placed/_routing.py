@@ -1,12 +1,14 @@
 """Where a placed module's calls go: the module's own to its ``Link`` (they run over
 there); its children's, refused here during fit (their weights here are a stale copy)
 and run here outside it. All through ``route_calls``: no attribute of the module's own,
-nothing in its pickles. What took the calls away (an in-place ``compile()``) is
-refused by name, and a hook put on a child here after the module was sent is said once
-(it never runs: the child runs over there).
+nothing in its pickles. The module's own hooks run here, around the call; its
+children's run over there, where the children run: one put on a child here after the
+module was sent goes before the next call (``SetHooks``). What took the calls away (an
+in-place ``compile()``, before fit or during it) is refused by name, and so is a hook
+that reads this process's context variables.
 
     routing = Routing(link); routing.install()    # module(x) calls link.forward(x)
-    routing.check(); routing.catch_hooks()        # before each step, each call
+    routing.check(); routing.hooks(ops)           # before each step, each call
     routing.uninstall()                           # its own calls again
 """
 
@@ -14,14 +16,34 @@ from __future__ import annotations
 
 import functools
 import logging
+import pickle
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ..._errors import Refused
-from .._private import hook_count, own_call, route_calls, routed_to
+from .._pickling import dumps
+from .._private import hook_count, hook_dicts, hooks_of, own_call, route_calls, routed_to, set_hooks
+from ._reach import contexts, described
+
+_NO = object()
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SetHooks:
+    """The forward and backward hooks of children, by path, as they are here (pickled:
+    by value where the script's), put there in place of theirs."""
+
+    blob: bytes
+
+    def apply(self, placed: Any) -> None:
+        modules = dict(placed.module.named_modules())
+        for path, hooks in pickle.loads(self.blob).items():
+            set_hooks(modules[path], hooks)
+        placed.__dict__.pop("watch", None)  # what the hooks reach, looked up again
 
 
 class Routing:
@@ -32,24 +54,58 @@ class Routing:
         self.children: list[tuple[str, torch.nn.Module]] = []  # (path, child)
         self.routes: dict[int, Any] = {}  # id(module) -> what its calls are routed to
         self.hooked: list[int] = []  # per child: its hooks when last looked at
-        self.warned: set[str] = set()  # children whose late hooks were said
+        self.routed: list = []
 
     def install(self) -> None:
         module = self.link.module
+        name = self.link.name
+        for path, m in module.named_modules():
+            if routed_to(m) is not None:  # compiled in place before fit
+                where = f"{name}.{path}" if path else name
+                raise Refused(
+                    f"{where}.compile() was called in place before fit, and {name!r} is "
+                    f"placed (place={{{name!r}: {self.link.host!r}}}): the worker would run "
+                    "it uncompiled, silently. Remove the in-place compile() of what you place "
+                    f"(compile the modules that stay here), or leave {name!r} unplaced")
         self.children = [(path, child) for path, child in module.named_modules()
                          if child is not module]
-        self.routes = {id(module): self.link.forward}
+        self.routes = {id(module): self._called}
         for path, child in self.children:
             self.routes[id(child)] = functools.partial(self._here, path, child)
-        for m in module.modules():
+        self.routed = list(module.modules())
+        for m in self.routed:
             route_calls(m, self.routes[id(m)])
+        for path, child in self.children:
+            self._contexts(path, child)
         self.hooked = [hook_count(child) for _, child in self.children]
+        self.dicts = [d for _, child in self.children for d in hook_dicts(child)]
+        self.lengths = list(map(len, self.dicts))
 
     def uninstall(self) -> None:
-        for m in self.link.module.modules():
+        for m in self.routed:
             if routed_to(m) is self.routes.get(id(m)):
                 route_calls(m, None)
-        self.routes = {}
+        self.routes, self.routed = {}, []
+
+    def reinstall(self) -> None:
+        """Route again, after the module's structure changed (a child replaced)."""
+        self.uninstall()
+        self.install()
+
+    def _called(self, *args: Any, **kwargs: Any) -> Any:
+        # the placed module called: its own hooks run here, around its forward over there
+        link, module = self.link, self.link.module
+        if not hook_count(module):
+            return link.forward(*args, **kwargs)
+        had = module.__dict__.get("forward", _NO)
+        module.__dict__["forward"] = link.forward
+        try:
+            return own_call(module, *args, **kwargs)
+        finally:
+            if had is _NO:
+                module.__dict__.pop("forward", None)
+            else:
+                module.__dict__["forward"] = had
 
     def check(self) -> None:
         """Refuse, naming the module, what took the module's calls away (compile())."""
@@ -63,20 +119,47 @@ class Routing:
                     "stale copy of its weights. Compile before placing it "
                     f"(torch.compile(module) as a submodule), or leave {name!r} unplaced")
 
-    def catch_hooks(self) -> None:
-        """A hook put on a child here since the module was sent never runs (the child runs
-        over there): said once per child."""
+    def _contexts(self, path: str, child: torch.nn.Module) -> None:
+        # a hook that reads this process's context variables cannot run over there
+        name = self.link.name
+        for fn in (f for d in hooks_of(child).values() if isinstance(d, dict)
+                   for f in d.values() if callable(f)):
+            read = contexts(fn)
+            if read:
+                raise Refused(
+                    f"a hook on {name}.{path}, {described(fn)}, reads the context variable "
+                    f"{read[0]!r} of this process; {name!r} is placed (place={{{name!r}: "
+                    f"{self.link.host!r}}}) and {name}.{path} runs on the worker, where the "
+                    "hook would read the worker's. Place a module whose children's hooks do "
+                    f"not read it (a submodule inside {name}.{path}, or one that holds "
+                    f"{name!r} whole with what sets the variable), or leave {name!r} unplaced")
+
+    def hooks(self, ops: list) -> None:
+        """Queue the hooks put on children here (or removed) since the module was sent:
+        they run over there, where the children run."""
+        lengths = list(map(len, self.dicts))  # (at C speed: nothing put, nothing to do)
+        if lengths == self.lengths:
+            return
+        self.lengths = lengths
+        changed = {}
         for k, (path, child) in enumerate(self.children):
             now = hook_count(child)
-            if now > self.hooked[k] and path not in self.warned:
-                self.warned.add(path)
+            if now != self.hooked[k]:
+                self._contexts(path, child)
+                changed[path] = hooks_of(child)
+                self.hooked[k] = now
+        if changed:
+            try:
+                blob = dumps(changed)
+            except Exception as e:
                 name = self.link.name
-                log.warning("a hook was registered here on %s.%s, which runs on worker %r: "
-                            "it does not run (the module was sent before it was put). "
-                            "Register hooks before fit, so they travel with the module and "
-                            "run over there (what they record stays there), or leave %r "
-                            "unplaced", name, path, self.link.host, name)
-            self.hooked[k] = now
+                raise Refused(
+                    f"a hook registered here on {name}.{', '.join(changed)} (placed: "
+                    f"place={{{name!r}: {self.link.host!r}}}) cannot be sent to the worker "
+                    f"where that module runs ({type(e).__name__}: {e}): register a hook that "
+                    f"pickles (a function, not a lambda over an open file), or leave "
+                    f"{name!r} unplaced") from None
+            ops.append(SetHooks(blob))
 
     def _here(self, path: str, child: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         # a child of the placed module called on its own, here

@@ -24,14 +24,17 @@ from typing import Any
 
 import torch
 
-from ..._errors import WorkerError
+from ..._errors import Refused, WorkerError
 from ..._trace import span
 from .._module import ModuleNode
 from .._pickling import dumps
-from .._private import version, versions
+from .._private import hooks_of, version, versions
 from .._raised import Raised, caught
 from .._state import on_cpu
+from ._looks import looks, mutable
 from ._messages import Answer, Call, Pickled, Same, bare, pack, unpack
+from ._ordinary import _OWN
+from ._reach import described, reach
 from ._tree import tree_flatten, tree_unflatten
 
 
@@ -129,14 +132,39 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
     modules = placed.__dict__.get("modules") or placed.__dict__.setdefault(
         "modules", list(placed.module.modules()))
     before = [(list(m.__dict__), list(m.__dict__.values())) for m in modules]
+    watch = placed.__dict__.get("watch")
+    if watch is None:
+        watch = placed.__dict__["watch"] = _watched(placed.module)
+    looked = [looks(o) for *_, o in watch]
+    deep = placed.__dict__.get("deep")
+    if deep is None:  # what the modules hold that can change in place (a list on self)
+        deep = placed.__dict__["deep"] = [(i, k) for i, m in enumerate(modules)
+                                          for k, v in m.__dict__.items()
+                                          if k not in _OWN and mutable(v)]
+    held = [looks(modules[i].__dict__.get(k)) for i, k in deep]
+    # the module's own hooks ran here, around this call: its forward alone runs here
+    forward = placed.module.forward
     with span(f"forward {name}", "node"):
         if call.inference:
             with torch.inference_mode():
-                out = placed.module(*args, **kwargs)
+                out = forward(*args, **kwargs)
         else:
             with torch.set_grad_enabled(call.grad):
-                out = placed.module(*args, **kwargs)
+                out = forward(*args, **kwargs)
+    for (where, hook, what, o), then in zip(watch, looked, strict=True):
+        if looks(o) != then:
+            raise Refused(
+                f"a hook on {name}.{where}, {hook}, changed {what!r} (outside the module) "
+                f"on the worker that runs {name!r}: that change stays there, and here "
+                f"{what!r} would not see it. Set what the hook records as an attribute of "
+                f"its module (module.features = output: it comes back after each call), "
+                f"register the hook on {name!r} itself (it runs here), or leave {name!r} "
+                "unplaced")
     side = _left(modules, before)
+    for (i, k), then in zip(deep, held, strict=True):  # changed in place: comes back too
+        v = modules[i].__dict__.get(k)
+        if looks(v) != then and _travels(v) and not any(s[0] == i and s[1] == k for s in side):
+            side.append((i, k, v))
     # a structure of tensors alone changes only through a tensor written in place
     changed = None if spec is None and versions(leaves) == was else _changed(
         args, kwargs, flat, leaves, was)
@@ -177,6 +205,13 @@ def _left(modules: list, before: list) -> list:
     return side
 
 
+def _watched(module: torch.nn.Module) -> list:
+    # what the children's hooks can write outside the module: (path, hook, name, object)
+    return [(path, described(fn), what, o) for path, m in module.named_modules() if path
+            for d in hooks_of(m).values() if isinstance(d, dict)
+            for fn in d.values() if callable(fn) for what, o in reach(fn)]
+
+
 def _travels(v: Any) -> bool:
     # what a forward leaves on its modules that comes back: tensors, plain values, their
     # containers (a module, an optimizer or a handle stays over there)
@@ -202,18 +237,55 @@ def _changed(args: tuple, kwargs: dict, flat: list, leaves: list, versions: list
                            and id(t) not in touched else t for t in after], spec)
 
 
-def _backward(live, name: str, call: int, grads: list, ops: list) -> list:
+def _backward(live, name: str, call: int, grads: list, ops: list, accumulate: bool = True,
+              then: int | None = None, asks: list | None = None) -> Any:
+    """dL/d(the call's arguments), given dL/d(its outputs): into the weights too when
+    ``accumulate`` (``.backward()``, not ``autograd.grad`` on the inputs). The call's graph
+    stays (a second backward, ``retain_graph``) until a ``Free`` says the one here is gone.
+    With ``then`` (``create_graph``), the answer is differentiable: kept as call ``then``,
+    whose arguments are the gradients that ``asks`` and the call's own; answered with
+    which of them carry a gradient."""
     try:
         placed = live.catalog[name]
         _apply(placed, ops)  # a zero_grad between the forward and this backward
-        leaves, outs = placed.kept.pop(call)
-        pairs = [(o, g) for o, g in zip(outs, grads, strict=True)
+        got = placed.kept.get(call)
+        if got is None:
+            raise RuntimeError(
+                f"a backward reached {name!r} for a call whose graph was freed: call "
+                ".backward(retain_graph=True) the first time to go through it again")
+        leaves, outs = got
+        create = then is not None
+        device = outs[0].device if outs else None
+        given = [None if g is None else g.to(device) for g in grads]
+        if create:
+            given = [g.detach().requires_grad_() if ask and g is not None else g
+                     for g, ask in zip(given, asks, strict=True)]
+        pairs = [(o, g) for o, g in zip(outs, given, strict=True)
                  if g is not None and o.requires_grad]
+        wanted = [leaf for leaf in leaves if leaf is not None]
+        back: list = [None] * len(wanted)
         if pairs:
-            with span(f"backward {name}", "node"):
-                torch.autograd.backward([o for o, _ in pairs],
-                                        [g.to(o.device) for o, g in pairs])
-        return [None if leaf is None or leaf.grad is None else leaf.grad.cpu()
-                for leaf in leaves]
+            with span(f"backward {name}", "node"), torch.set_grad_enabled(create):
+                o, g = [o for o, _ in pairs], [g for _, g in pairs]
+                if accumulate:  # the weights' .grad too; the arguments' read and let go
+                    for leaf in wanted:
+                        leaf.grad = None
+                    torch.autograd.backward(o, g, retain_graph=True, create_graph=create)
+                    back = [leaf.grad for leaf in wanted]
+                    for leaf in wanted:
+                        leaf.grad = None
+                elif wanted:
+                    back = list(torch.autograd.grad(o, wanted, g, retain_graph=True,
+                                                    create_graph=create, allow_unused=True))
+        it = iter(back)
+        back = [None if leaf is None else next(it) for leaf in leaves]
+        if not create:
+            return [None if b is None else b.cpu() for b in back]
+        kept_outs = [b for b in back if b is not None]
+        if any(t.requires_grad for t in kept_outs):
+            placed.kept[then] = ([g if ask else None for g, ask in zip(given, asks, strict=True)]
+                                 + wanted, kept_outs)
+        return ([None if b is None else b.detach().cpu() for b in back],
+                [b is not None and b.requires_grad for b in back])
     except Exception as e:
         return caught(e)

@@ -3,7 +3,8 @@ their structure, and the structure back around them, every container its own typ
 
 Tuples, lists and dicts, namedtuples and ``torch.return_types``, dict and list
 subclasses (transformers' ``ModelOutput``), dataclasses (``init=False`` fields and
-attributes set later included): each is rebuilt as the same class, without running its
+attributes set later included), instances of plain classes (state in ``__dict__``, no
+pickling of their own: a KV cache): each is rebuilt as the same class, without running its
 ``__init__`` or ``__post_init__`` again (what they set is read back as it was). A tensor
 that stands in two places (a ``ModelOutput``'s item and attribute) is one leaf, so both
 places get the same tensor back. Anything else is a leaf: it travels as it is.
@@ -62,9 +63,20 @@ def tree_flatten(obj: Any) -> tuple[list, Any]:
             return ("list+", t, [split(v) for v in o], _state(o, split))
         if dataclasses.is_dataclass(o) and not isinstance(o, type):
             return ("obj", t, _state(o, split))
+        if _plain_object(o):  # a cache object (a KV cache): its tensors travel as tensors
+            return ("obj", t, _state(o, split))
         return leaf(o)
 
     return flat, split(obj)
+
+
+def _plain_object(o: Any) -> bool:
+    # an instance of a plain class: its state is its __dict__ (no pickling of its own)
+    t = type(o)
+    return (hasattr(o, "__dict__") and not isinstance(o, (type, torch.nn.Module))
+            and t.__reduce_ex__ is object.__reduce_ex__ and t.__reduce__ is object.__reduce__
+            and getattr(t, "__getstate__", object.__getstate__) is object.__getstate__
+            and not callable(o) and t.__module__ != "builtins")
 
 
 def _state(o: Any, split) -> list:

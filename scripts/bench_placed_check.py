@@ -1,0 +1,65 @@
+"""What a placed module's per-call look at itself costs when nothing changed: the look
+``Link.forward`` takes before each call (weights written here, structure, hooks put on
+children, modes, ``requires_grad``, attributes of any kind), timed alone on the classic
+autoencoder's encoder (tests/dropin_models.py) and on Lightning's demo Transformer, to
+set beside a placed step (``scripts/bench_dropin.py``).
+
+    python scripts/bench_placed_check.py            # microseconds per look, median of 7
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+
+def look_cost(module: torch.nn.Module, n: int = 2000) -> float:
+    """Microseconds per look at ``module`` when nothing changed (median of 7 runs)."""
+    from somatize.torch.placed._module_ops import Sent
+    from somatize.torch.placed._routing import Routing
+
+    class Stand:  # what Routing asks of a Link
+        name, host, fitting = "encoder", "worker", True
+
+        def forward(self, *a, **k):
+            return None
+
+    stand = Stand()
+    stand.module = module
+    routing = Routing(stand)
+    routing.install()
+    sent = Sent(module, "encoder")
+    ops: list = []
+    sent.writes(ops), routing.hooks(ops), sent.settings(ops)  # the first call sends all
+    runs = []
+    for _ in range(7):
+        ops = []
+        t = time.perf_counter()
+        for _ in range(n):
+            sent.writes(ops)
+            routing.hooks(ops)
+            sent.settings(ops)
+        runs.append((time.perf_counter() - t) / n * 1e6)
+        assert not ops, ops  # nothing changed, nothing queued
+    routing.uninstall()
+    return statistics.median(runs)
+
+
+def main() -> None:
+    from dropin_models import AutoEncoder
+    from lightning.pytorch.demos.transformer import Transformer
+
+    for name, module in (("autoencoder encoder", AutoEncoder().encoder),
+                         ("demo Transformer", Transformer(vocab_size=64))):
+        count = sum(1 for _ in module.modules())
+        print(f"{name} ({count} modules): {look_cost(module):.1f} us per call")
+
+
+if __name__ == "__main__":
+    main()

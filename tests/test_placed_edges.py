@@ -1,0 +1,123 @@
+"""A placed module is the same object on both sides, at the edges: what a callback
+changes on it mid-fit (attributes of any kind, its structure, hooks on its children),
+every backward through it (create_graph, retain_graph, autograd.grad on the input), a
+residual across the cut, an argument object it changes in place; or a refusal naming
+the module, what was wrong and what to do. Each fit runs plain and placed in one
+subprocess (tests/placed_edges_runs.py), against plain Lightning."""
+
+import pytest
+import torch
+from scenario import scenario
+
+RUNS = "placed_edges_runs.py"
+pytestmark = pytest.mark.timeout(1500)  # one process runs every case (RPC starts once)
+CASES = ["attributes", "unpicklable", "structure", "hooks", "hook_outside", "contextvar",
+         "pinn", "wgan", "twice", "fgsm", "residual", "compiled_before", "kv_cache"]
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory):
+    where = tmp_path_factory.mktemp("edges")
+    scenario(RUNS, "many", where / "all.pt", *CASES, timeout=900)
+    return lambda case: torch.load(where / f"{case}.pt", weights_only=False)
+
+
+def exact(got, steps=4, placed="encoder"):
+    plain_losses, plain = got["plain"]
+    split_losses, split = got["split"]
+    assert len(plain_losses) >= steps and split_losses == plain_losses
+    assert plain.keys() == split.keys()
+    for k in plain:
+        assert torch.equal(split[k], plain[k]), k
+    assert got["pid"] not in got["ran"][placed] and sum(got["ran"][placed].values()) >= steps
+    kept_after_each_step(got)
+
+
+def kept_after_each_step(got):
+    # each call's graph over there is kept until the one here is freed: after a step,
+    # at most the calls of that step (here, the graphs die with the step), never growing
+    assert len(got["kept"]) >= 3 and max(got["kept"]) <= 4, got["kept"]
+
+
+def test_a_tensor_a_list_a_dict_a_partial_an_enum_a_numpy_scalar_and_a_lambda_set_mid_fit(
+        ran):
+    exact(ran("attributes"), steps=5)
+
+
+def test_an_attribute_that_cannot_be_sent_is_refused_naming_it(ran):
+    said = ran("unpicklable")["said"]
+    assert said.startswith("encoder.lin.guard was set here to lock")
+    assert "cannot be sent to the worker running 'encoder'" in said
+    assert "leave 'encoder' unplaced" in said
+
+
+def test_a_child_replaced_a_buffer_a_child_and_a_parameter_registered_mid_fit(ran):
+    got = ran("structure")
+    exact(got, steps=5)
+    assert got["split_seen"] == got["plain_seen"] and "extra.weight" in got["plain_seen"]
+
+
+def test_hooks_the_modules_own_run_here_and_a_childs_put_after_placing_run_there(ran):
+    # a hook on the placed module that writes into the model's dict; a hook put on a child
+    # at batch 1 that sets an attribute on it (which feeds the loss), removed at batch 3
+    exact(ran("hooks"), steps=5)
+
+
+def test_a_childs_hook_that_writes_outside_its_module_is_refused_at_that_call(ran):
+    said = ran("hook_outside")["said"]
+    assert said.startswith("a hook on encoder.1, HookWritesOutside.on_train_batch_start.")
+    assert "placed_edges_runs.py" in said and "changed 'FEATURES' (outside the module)" in said
+    assert "Set what the hook records as an attribute of its module" in said
+
+
+def test_hooks_that_read_a_context_variable_of_this_process_are_refused_naming_it(ran):
+    # Hugging Face's output_hidden_states in miniature: hooks put lazily on the placed
+    # encoder's layers, closures over a ContextVar collector set here
+    said = ran("contextvar")["said"]
+    assert said.startswith("a hook on encoder.0, Collects.training_step.<locals>.hook")
+    assert "reads the context variable 'collected' of this process" in said
+    assert "Place a module whose children's hooks do not read it" in said
+
+
+def close(got, steps=4):
+    # gradient contributions of two calls in one backward pass are summed over there call
+    # by call (docs/ordinary.md): losses equal, weights within float32's rounding
+    plain_losses, plain = got["plain"]
+    split_losses, split = got["split"]
+    assert len(plain_losses) >= steps and split_losses == plain_losses
+    for k in plain:
+        assert torch.allclose(split[k], plain[k], rtol=1e-6, atol=1e-7), k
+    kept_after_each_step(got)
+
+
+def test_a_pinn_differentiates_through_the_placed_net_with_create_graph(ran):
+    close(ran("pinn"))
+
+
+def test_wgan_gp_with_the_critic_placed_is_exact(ran):
+    exact(ran("wgan"), steps=3)
+
+
+def test_an_r1_penalty_and_a_second_backward_with_retain_graph(ran):
+    close(ran("twice"))  # on main: KeyError: 0 over there
+
+
+def test_fgsm_by_hand_does_not_add_to_the_placed_weights_grad(ran):
+    exact(ran("fgsm"))
+
+
+def test_a_tensor_used_once_inside_the_placed_module_and_twice_outside_is_exact(ran):
+    exact(ran("residual"))
+
+
+def test_compile_in_place_before_fit_is_refused_naming_the_module(ran):
+    said = ran("compiled_before")["said"]
+    assert said.startswith("encoder.2.compile() was called in place before fit")
+    assert "the worker would run it uncompiled" in said
+
+
+def test_an_argument_object_the_module_appends_to_changes_here(ran):
+    # a KV cache (a plain class, like transformers' DynamicCache) handed to three calls
+    got = ran("kv_cache")
+    exact(got, steps=6)
+    assert got["split_seen"] == got["plain_seen"] and got["plain_seen"][0][0] == 3
