@@ -38,5 +38,8 @@ def items_of_keeper(keeper: Any) -> Any:
     """What ``keeper`` offers for rows kept one by one (per item, docs/per-item.md): its
     ``items()``, a ``somatize.store.Items``; None for a keeper without that method. A
     keeper of your own holds items by answering ``items()`` as ``Store`` does."""
+    if not callable(getattr(keeper, "get_many", None)):
+        return None  # not a keeper (a dict's items() is something else)
     offer = getattr(keeper, "items", None)
-    return offer() if callable(offer) else None
+    got = offer() if callable(offer) else None
+    return got if callable(getattr(got, "space", None)) else None

@@ -10,6 +10,7 @@ import os
 import sys
 
 import lightning.pytorch as pl
+import oracle as kit  # its fit and weights ("oracle" here is the run by hand)
 import torch
 from torch import nn
 
@@ -72,10 +73,10 @@ def fit(log, strategy="auto", callbacks=(), oracle=False, data=DigitsData, epoch
     if oracle:  # what the cache does, done by hand on a plain Lightning run
         model.body.requires_grad_(False).eval()
         model.body.forward = FirstSeen(model.body)
-    _, losses = oracle.fit(model, strategy, data(batch_size=16, limit=64, shuffle=True),
+    _, losses = kit.fit(model, strategy, data(batch_size=16, limit=64, shuffle=True),
                            max_epochs=epochs, limit_val_batches=1, num_sanity_val_steps=0,
                            callbacks=callbacks, **kw)
-    return losses, {k: v for k, v in oracle.weights(model).items() if k.startswith("head.")}
+    return losses, {k: v for k, v in kit.weights(model).items() if k.startswith("head.")}
 
 
 def computed(log) -> dict[int, int]:

@@ -138,7 +138,7 @@ def test_a_layer_that_couples_rows_is_refused_at_setup_naming_it(tmp_path):
         freeze(g)
     PerItemForward(Normed().eval(), "body", str(tmp_path))  # running statistics: row by row
     with pytest.raises(Refused, match="module 'body' is kept per item, which needs a store "
-                                      "directory .*not a dict"):
+                                      "directory .*a dict is neither"):
         PerItemForward(Normed().eval(), "body", {})
 
 

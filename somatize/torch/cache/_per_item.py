@@ -293,9 +293,9 @@ class PerItemForward(CachedForward):
         if items_of(self.store) is None:
             raise Refused(
                 f"module {path!r} is kept per item, which needs a store directory (its packs "
-                f"and index are files), and a {type(store).__name__} offers none (no "
-                "items() method): give SomatizeCache store='/scratch/soma', a "
-                "somatize.store.Store, or a keeper whose items() answers as Store.items()")
+                f"and index are files) or a keeper offering rows through items() as "
+                f"Store.items() does; a {type(store).__name__} is neither: give SomatizeCache "
+                "store='/scratch/soma' or a somatize.store.Store")
         self.item = PerItem(path, self.kind, self.store, salt, exact)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
