@@ -47,6 +47,10 @@ class CachedForward:
             an object: with a salt it is left out of the name instead of refused).
     """
 
+    # somatize's own, set on the module as ``forward``: not one of the module's attributes
+    # for the placed route to carry (on a placed module the cache is installed over there)
+    stands_in = True
+
     def __init__(self, module: torch.nn.Module, path: str, store: Any, previous: Any = None,
                  salt: str | None = None):
         self.module, self.path, self.previous, self.salt = module, path, previous, salt

@@ -30,7 +30,8 @@ _OWN = frozenset(vars(torch.nn.Module())) | {ROUTED_CALL}
 
 def _names(m: torch.nn.Module) -> tuple:
     return tuple(k for k, v in m.__dict__.items() if k not in _OWN and not (
-        k == "forward" and getattr(getattr(v, "__self__", None), "stands_in", False)))
+        k == "forward" and (getattr(v, "stands_in", False) is True or getattr(
+            getattr(v, "__self__", None), "stands_in", False))))
 
 
 def _values(m: torch.nn.Module, names: tuple) -> tuple:
