@@ -248,3 +248,10 @@ def test_the_circle_check_sees_a_circle_through_a_function_but_not_type_checking
     # a module importing itself through the package, and a two-step circle
     assert circle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
     assert circle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_file_of_the_package_is_over_400_lines():
+    # a file that long holds two jobs: cut it along them (issue 25)
+    long = {str(p.relative_to(PACKAGE)): n for p in PACKAGE.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 400}
+    assert long == {}, long

@@ -212,5 +212,6 @@ def test_a_keeper_of_ones_own_holds_items_through_its_items_method(tmp_path):
     class NoRows(OwnKeeper):
         items = None  # a keeper of values alone
 
-    with pytest.raises(Refused, match=r"'body' is kept per item.*offering rows through items\(\).*a NoRows is neither"):
+    with pytest.raises(Refused, match=r"'body' is kept per item.*offering rows through "
+                                      r"items\(\).*a NoRows is neither"):
         PerItemForward(copy.deepcopy(MLP), "body", NoRows(tmp_path / "none"))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from somatize import Done, Graph, Node, _holes
 from somatize.remote import Worker
-from somatize.remote._group import Peer
+from somatize.remote._peer import Peer
 from somatize.remote._runtime import Runtime, _Pending
 
 PACKAGE = Path(__file__).resolve().parent.parent / "somatize"

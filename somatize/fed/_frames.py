@@ -91,3 +91,11 @@ def decode(data: bytes, kinds: frozenset = KINDS
     if pos != len(data):
         raise FrameError(f"{len(data) - pos} bytes after the frame's last tensor")
     return kind, fields, tensors
+
+
+class Refusal(Exception):
+    """What the hub answers instead of running a message: ``code`` and one line."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code

@@ -21,17 +21,11 @@ from blake3 import blake3
 
 from ._average import average
 from ._config import StudyConfig
+from ._flat import flat_optimizer, unflat_optimizer
+from ._frames import Refusal
 from ._seeds import generator_seed, seeded
 
 log = logging.getLogger(__name__)
-
-
-class Refusal(Exception):
-    """What the hub answers instead of running a message: ``code`` and one line."""
-
-    def __init__(self, code: str, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -366,16 +360,7 @@ class StudyHub:
         for o, m in self.copies.items():
             tensors.update({f"copy.{o}.{k}": v for k, v in m.state_dict().items()})
         for o, opt in self.opts.items():
-            sd = opt.state_dict()
-            rest = {}
-            for pid, st in sd["state"].items():
-                for k, v in st.items():
-                    if isinstance(v, torch.Tensor):
-                        tensors[f"opt.{o}.{pid}.{k}"] = v
-                    else:
-                        rest[f"{pid}.{k}"] = v
-            meta["opts"][o] = {"groups": sd["param_groups"], "rest": rest,
-                               "keys": {str(pid): list(st) for pid, st in sd["state"].items()}}
+            meta["opts"][o] = flat_optimizer(opt, f"opt.{o}.", tensors)
         return {k: v.detach().contiguous().clone() for k, v in tensors.items()}, meta
 
     def _checkpoint(self) -> None:
@@ -406,10 +391,5 @@ class StudyHub:
                                              if k.startswith(f"copy.{o}.")})
         for o, om in meta["opts"].items():
             opt = self._opt(o) if o else self.opts[""]
-            state = {}
-            for pid, keys in om["keys"].items():
-                state[int(pid)] = {k: tensors[f"opt.{o}.{pid}.{k}"]
-                                   if f"opt.{o}.{pid}.{k}" in tensors
-                                   else om["rest"][f"{pid}.{k}"] for k in keys}
-            opt.load_state_dict({"state": state, "param_groups": om["groups"]})
+            opt.load_state_dict(unflat_optimizer(om, f"opt.{o}.", tensors))
         log.info("study %s resumes at round %d from %s", self.cfg.name, self.round, d)

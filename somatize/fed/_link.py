@@ -67,7 +67,7 @@ def serve(hubs: Mapping[str, Any], listen: str, identity: str | Path, ca: str | 
 
     import grpc
 
-    from ._hub import Refusal
+    from ._frames import Refusal
 
     key, cert = load_identity(identity)
     creds = grpc.ssl_server_credentials([(key, cert)], root_certificates=Path(ca).read_bytes(),

@@ -1,4 +1,5 @@
-"""What a cache counted in each stage of a run (training, validation, test, predict), and
+"""What a cache counted: a keeper wrapper counting hits and misses (Counting), by stage of
+a run (training, validation, test, predict), and
 whether a train loader shuffles (then no whole batch repeats).
 
     counts.begin("val", (hits, misses)); ...; counts.end("val", (hits, misses))  # (2, 1)
@@ -6,9 +7,12 @@ whether a train loader shuffles (then no whole batch repeats).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from torch.utils.data import RandomSampler
+
+from .._keeper import Kept, items_of_keeper
 
 
 class StageCounts:
@@ -47,3 +51,28 @@ def shuffles(loader: Any) -> bool:
             if isinstance(sampler, RandomSampler) or getattr(sampler, "shuffle", False) is True:
                 return True
     return False
+
+
+class Counting:
+    """A keeper that counts what it was asked: a hit is a name found, a miss one not."""
+
+    def __init__(self, keeper: Any):
+        self.keeper = keeper
+        self.hits = 0
+        self.misses = 0
+
+    def get_many(self, names: Sequence[str]) -> list[Kept | None]:
+        got = self.keeper.get_many(names)
+        found = sum(g is not None for g in got)
+        self.hits += found
+        self.misses += len(got) - found
+        return got
+
+    def put(self, name: str, value: Any, meta: Mapping[str, str] | None = None) -> bool:
+        return self.keeper.put(name, value, meta)
+
+    def names(self, prefix: str = "") -> Iterator[str]:
+        return self.keeper.names(prefix)
+
+    def items(self) -> Any:
+        return items_of_keeper(self.keeper)

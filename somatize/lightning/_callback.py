@@ -15,7 +15,7 @@ import logging
 import os
 import re
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from os import PathLike
 from typing import Any
 
@@ -23,38 +23,12 @@ import lightning.pytorch as pl
 from typing_extensions import override
 
 from .._errors import Refused
-from .._keeper import Kept, items_of_keeper
 from .._memory import cacheable
 from ..torch import GraphModule, freeze
 from ..torch.cache._cached import CachedForward, counts_there
-from ._cache_counts import StageCounts, shuffles
+from ._cache_counts import Counting, StageCounts, shuffles
 
 log = logging.getLogger(__name__)
-
-
-class Counting:
-    """A keeper that counts what it was asked: a hit is a name found, a miss one not."""
-
-    def __init__(self, keeper: Any):
-        self.keeper = keeper
-        self.hits = 0
-        self.misses = 0
-
-    def get_many(self, names: Sequence[str]) -> list[Kept | None]:
-        got = self.keeper.get_many(names)
-        found = sum(g is not None for g in got)
-        self.hits += found
-        self.misses += len(got) - found
-        return got
-
-    def put(self, name: str, value: Any, meta: Mapping[str, str] | None = None) -> bool:
-        return self.keeper.put(name, value, meta)
-
-    def names(self, prefix: str = "") -> Iterator[str]:
-        return self.keeper.names(prefix)
-
-    def items(self) -> Any:
-        return items_of_keeper(self.keeper)
 
 
 def graph_modules(module: Any) -> list[GraphModule]:

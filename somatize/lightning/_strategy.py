@@ -41,6 +41,7 @@ from ._placed_route import PlacedRoute
 from ._private import devices_asked, parallel_devices, set_launcher, set_root_device
 from ._route import Route
 from ._study_route import StudyRoute
+from ._workers import check_place, check_workers, refuse_unused_workers, warm_up, with_store
 
 log = logging.getLogger(__name__)
 
@@ -80,8 +81,8 @@ class SomatizeStrategy(SingleDeviceStrategy):
                  store: Any = None, place: Mapping[str, str] | None = None,
                  trace: str | os.PathLike | None = None, **kwargs: Any):
         super().__init__(device=torch.device("cpu"), **kwargs)  # Lightning's, at setup
-        _check_place(place)
-        _check_workers(workers)
+        check_place(place)
+        check_workers(workers)
         # a study's shared module (place={"trunk": study.shared}) runs on its hub
         self.shared = {k: v for k, v in (place or {}).items() if hasattr(v, "somatize_study")}
         self.place = {k: v for k, v in (place or {}).items() if k not in self.shared}
@@ -102,38 +103,7 @@ class SomatizeStrategy(SingleDeviceStrategy):
     @override
     def connect(self, model: pl.LightningModule) -> None:
         super().connect(model)
-        self._warm_up(graph_modules(model))
-
-    def _workers_of(self, model: pl.LightningModule) -> dict | None:
-        """``workers=``, with an embedded worker keeping ``store=`` for each host the fit
-        places work on that it does not name."""
-        if self.store is None:
-            return self.workers
-        from ..remote import Worker
-
-        hosts = set(self.place.values())
-        for gm in graph_modules(model):
-            hosts |= set(gm.graph.placement.workers())
-        given = dict(self.workers or {})
-        return {**{h: Worker.embedded(store=self.store) for h in sorted(hosts)}, **given}
-
-    def _warm_up(self, graph_modules: list) -> None:
-        # with the fit (never in the constructor), a fork server starts importing torch
-        # while Lightning sets up: the embedded workers are forked from it, and the first
-        # batch waits only for them to join
-        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            return  # torchrun: ranks serve
-        from ..remote import Worker, fork_workers
-        from ..remote._forks import FORKS_ENV
-
-        hosts = set(self.place.values())
-        for gm in graph_modules:
-            hosts |= set(gm.graph.placement.workers())
-        given = self.workers or {}
-        embedded = [h for h in hosts if not isinstance(given.get(h), str)
-                    and (given.get(h) or Worker.embedded()).kind == "embedded"]
-        if embedded and not os.environ.get(FORKS_ENV):  # none of the user's own
-            fork_workers(wait=False)
+        warm_up(self.place, self.workers, graph_modules(model))
 
     @override
     def setup_environment(self) -> None:
@@ -182,10 +152,10 @@ class SomatizeStrategy(SingleDeviceStrategy):
             route.close(pull=False)
         names = {kind: kind.names(self, model) for kind in ROUTES}
         refuse_unknown(self.trains, GraphRoute.names(self, model), self.place)
-        _refuse_unused_workers(self.workers, self.place, graph_modules(model))
+        refuse_unused_workers(self.workers, self.place, graph_modules(model))
         # the new session first: the worker processes of the old one are reused
         last, self._session = self._session, Session(
-            workers=self._workers_of(model),
+            workers=with_store(self.workers, self.store, self.place, graph_modules(model)),
             restart="run the fit again (it starts fresh workers)")
         try:
             for kind in ROUTES:
@@ -400,68 +370,6 @@ class SomatizeStrategy(SingleDeviceStrategy):
         if self._broken:
             self.close()  # a dead worker: nothing over there to keep a session for
         super().teardown()
-
-
-def _check_place(place: Any) -> None:
-    """Refuse ``place=`` that is not ``{submodule path: worker name}``, in one line."""
-    if place is None:
-        return
-    if not isinstance(place, Mapping):
-        raise Refused(
-            f"place= takes a dict {{submodule path: worker name}}, not a {type(place).__name__} "
-            f"({place!r}): SomatizeStrategy(place={{'body': 'worker'}}); on the Hydra line "
-            "'somatize.place={body: worker}'")
-    for path, host in place.items():
-        if not isinstance(path, str) or not (isinstance(host, str)
-                                             or hasattr(host, "somatize_study")):
-            raise Refused(
-                f"place={{{path!r}: {host!r}}}: each entry is a submodule path and a worker "
-                "name, both strings: place={'body': 'worker'}")
-
-
-def _check_workers(workers: Any) -> None:
-    """Refuse ``workers=`` that is not ``{worker name: Worker or "host:port"}``, in one line."""
-    if workers is None:
-        return
-    if not isinstance(workers, Mapping):
-        raise Refused(
-            f"workers= takes a dict {{worker name: Worker}}, not a {type(workers).__name__} "
-            f"({workers!r}): workers={{'worker': Worker.at('node3:7000')}}; on the Hydra "
-            "line 'somatize.workers={worker: \"node3:7000\"}'")
-    from ..remote import Worker
-
-    for name, w in workers.items():
-        if not isinstance(name, str) or not isinstance(w, (str, Worker)):
-            raise Refused(
-                f"workers={{{name!r}: {w!r}}}: each entry is a worker name and a Worker or "
-                "its address 'host:port' (quoted on the Hydra line): "
-                "workers={'worker': '127.0.0.1:7000'}")
-        if isinstance(w, str):
-            Worker.at(w)  # refuses an address that is not 'host:port', saying so
-
-
-def _refuse_unused_workers(workers: Mapping[str, Any] | None, place: Mapping[str, str],
-                           graph_modules: list) -> None:
-    """Refuse a ``workers=`` name that no placement uses (a typo would otherwise start an
-    embedded worker for the placement's name and say nothing), the near names beside it."""
-    if not workers:
-        return
-    used = set(place.values())
-    for gm in graph_modules:
-        used |= set(gm.graph.placement.workers())
-    unused = sorted(set(workers) - used)
-    if not unused:
-        return
-    import difflib
-
-    pairs = []
-    for name in unused:
-        near = difflib.get_close_matches(name, sorted(used - set(workers)), n=1, cutoff=0.5)
-        pairs.append(f"{name!r} (placement {near[0]!r}?)" if near else repr(name))
-    raise Refused(
-        f"workers= names {', '.join(pairs)}, which no placement uses (placed on: "
-        f"{', '.join(map(repr, sorted(used))) or 'nothing'}): name each worker as place= or "
-        ".at() does, e.g. place={'body': 'gpu'} with workers={'gpu': ...}")
 
 
 if "somatize" not in StrategyRegistry:

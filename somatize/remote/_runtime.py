@@ -23,7 +23,8 @@ from .. import _errors
 from .._errors import SomatizeError, WorkerError
 from .._node import kind_of
 from .._trace import span
-from ._group import Peer, group
+from ._group import group
+from ._peer import Peer
 from ._serve import Failed
 from ._wire import bytes_of, graph_for
 from ._worker import Worker

@@ -31,7 +31,7 @@ from ..._memory import params_of
 from ..._naming import naming
 from ..._stages import stages
 from ..._trace import span
-from ..._values import Opaque, bare
+from ..._values import bare
 from .._session import Session
 from .._state import restore
 from ._calls import (
@@ -42,6 +42,7 @@ from ._calls import (
     _read_trainer,
     _step_trainers,
 )
+from ._handed import asks_grad, leaf_of, plus
 from ._mirrored import Following, Mirrored, _after, mirrored
 from ._refuse import refuse, settle
 from ._split import narrowed
@@ -163,7 +164,7 @@ class Step:
         fed: dict[Any, Any] = {}
         made: dict[Any, Any] = {}  # node -> (value, its leaf); a trained root's input
         for r, x in inputs.items():
-            if r in self.trains and _asks_grad(x):
+            if r in self.trains and asks_grad(x):
                 # an input with history here (a module before the graph): dL/dx goes back
                 made[Position(r, IN)] = bare(x)
                 self._feed_back(r)
@@ -204,7 +205,7 @@ class Step:
                 handed[n] = out.values[n]
                 continue
             # each stage starts a fresh autograd graph: what it is handed is a leaf
-            handed[n], made[n] = _leaf(out.values[n], n in self.trains)
+            handed[n], made[n] = leaf_of(out.values[n], n in self.trains)
         return out
 
     @property
@@ -246,7 +247,7 @@ class Step:
 
         def signal(n: str) -> Any:
             leaf = made[n][1] if made.get(n) else None
-            return _plus(None if leaf is None else leaf.grad, owed.pop(n, None))
+            return plus(None if leaf is None else leaf.grad, owed.pop(n, None))
 
         for n in self.trainers[k]:
             s = narrowed(signal(n), self.trains[n].wire)  # as it crosses to the trainer
@@ -256,7 +257,7 @@ class Step:
             grad_in = bare(self.learn(n, s))  # bare: cast back if it crossed narrowed
             if grad_in is not None and preds[n]:
                 (p,) = preds[n]
-                owed[p] = _plus(owed.get(p), grad_in)
+                owed[p] = plus(owed.get(p), grad_in)
             elif grad_in is not None and made.get(Position(n, IN)) is not None:
                 fed_in = made[Position(n, IN)]  # a root fed a value with history here
                 back.append((fed_in, grad_in.to(fed_in.device)))
@@ -372,29 +373,6 @@ class Step:
 
 def _trainable(graph: Graph, n: str) -> bool:
     return n not in graph.memory.frozen and any(p.requires_grad for p in params_of(graph[n]))
-
-
-def _leaf(value: Any, trained: bool) -> tuple[Any, tuple[torch.Tensor, torch.Tensor] | None]:
-    """A value handed across a stage boundary: a tensor that can take a gradient (a
-    trainer's detached output, or one with history here) becomes a leaf that asks for it."""
-    t = bare(value)
-    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or not (
-            trained or t.requires_grad):
-        return value, None
-    leaf = t.detach().requires_grad_()
-    return (Opaque(leaf) if isinstance(value, Opaque) else leaf), (t, leaf)
-
-
-def _asks_grad(value: Any) -> bool:
-    t = bare(value)
-    return (torch.is_grad_enabled() and isinstance(t, torch.Tensor) and t.requires_grad
-            and t.is_floating_point())
-
-
-def _plus(a: Any, b: Any) -> Any:
-    if a is None:
-        return b
-    return a if b is None else a + b
 
 
 def _called(n: Any) -> tuple[str, int]:
