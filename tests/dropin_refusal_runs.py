@@ -84,7 +84,7 @@ def said(out):
         lines.clear()
         fit(make(), SomatizeStrategy(place={"encoder": "worker"}), digits(), max_steps=2,
             limit_val_batches=0)
-        got[name] = [line for line in lines if line.startswith("module 'encoder'")]
+        got[name] = [line for line in lines if line.startswith("module 'encoder' (")]
     lines.clear()
     fit(AutoEncoder(), SomatizeStrategy(place={"encoder": "worker"}), digits(), max_steps=3,
         limit_val_batches=0, callbacks=[HooksDuringFit()])

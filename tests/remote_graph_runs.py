@@ -289,7 +289,11 @@ def two_graphs() -> None:
 
 def quiet_close() -> None:
     """Trained and closed; two workers passing an RRef, closed together; a group started
-    again after the last worker left; one left open until exit. Prints "done"."""
+    again after the last worker left; one left open until exit. Prints "done". (somatize's
+    own INFO lines are turned off: what is watched for is anything else on stderr.)"""
+    import logging
+
+    logging.getLogger("somatize").setLevel(logging.WARNING)
     xs = x()
     g = Graph.somatize(Body().at("gpu") >> Head())
     trains = {"body": Split(torch.optim.SGD, lr=0.1)}

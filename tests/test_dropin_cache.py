@@ -129,6 +129,9 @@ def test_caching_a_module_fed_by_one_that_trains_is_refused_at_its_first_call(tm
 
 
 def test_caching_a_missing_module_or_a_placed_one_in_a_keeper_object_is_refused(tmp_path):
+    from somatize.remote._group import group
+
+    agent, peers = rpc.api._is_current_rpc_agent_set(), set(group().peers)  # (other tests')
     with pytest.raises(Refused, match=r"no submodule 'bodyy'; its submodules include \['body'"):
         trainer(callbacks=[SomatizeCache(tmp_path, modules=["bodyy"])]).fit(
             DigitsModel(), DigitsData(limit=64))
@@ -136,4 +139,5 @@ def test_caching_a_missing_module_or_a_placed_one_in_a_keeper_object_is_refused(
         trainer(strategy=SomatizeStrategy(place={"body": "worker"}),
                 callbacks=[SomatizeCache(Store(tmp_path), modules=["body"])]).fit(
             DigitsModel(), DigitsData(limit=64))
-    assert not rpc.api._is_current_rpc_agent_set()  # refused before any worker started
+    # refused before any worker started (in this process, other tests may have run some)
+    assert rpc.api._is_current_rpc_agent_set() == agent and set(group().peers) == peers
