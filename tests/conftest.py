@@ -17,10 +17,10 @@ hosts = pytest.fixture(_hosts.fixture, name="hosts")  # network namespaces (test
 # the files that take longest (a minute or more of a core: long scenarios, module-wide
 # fixtures), run first: the two test processes take files in collection order, so neither
 # is left running a long file alone at the end (`--durations=0` says which these are)
-FIRST = ["test_remote.py", "test_placed_optimizers.py", "test_dropin.py", "test_secret.py",
-         "test_microbatches_remote.py", "test_hosts.py", "test_remote_reliability.py",
-         "test_lightning_split.py", "test_main_job.py", "test_fed_study.py",
-         "test_fed_hosts.py"]
+FIRST = ["test_remote.py", "test_placed_optimizers.py", "test_dropin.py", "test_gpu_check.py",
+         "test_secret.py", "test_fed_study.py", "test_hosts.py", "test_placed_edges.py",
+         "test_docs.py", "test_microbatches_remote.py", "test_remote_reliability.py",
+         "test_lightning_split.py", "test_main_job.py", "test_fed_hosts.py", "test_hydra.py"]
 
 
 # the files whose tests start processes (workers, scenarios, scripts, torchrun); the
