@@ -145,11 +145,18 @@ def fingerprint(cls: type, *more: type) -> dict[str, str]:
     Only what the code refers to is read: globals it really loads (LOAD_GLOBAL),
     never attribute names (``self.model`` does not pull a global ``model`` in).
     """
-    out: dict[str, str] = {}
+    return {who: _code_hash(fn.__code__, fn.__globals__)
+            for who, fn in functions_of((cls, *more), ("somatize", "torch."))}
+
+
+def functions_of(classes: Iterable[type], skip: tuple[str, ...]) -> list:
+    """``[("Class.method", function), ...]``: the functions (methods, class and static
+    methods, property getters) of ``classes`` and their bases, each class once; classes of
+    modules starting with ``skip``, and ``object``, left out."""
+    out: list = []
     seen: set[type] = set()
-    for klass in (k for c in (cls, *more) for k in c.__mro__):
-        if klass in seen or klass.__module__.startswith(("somatize", "torch.")) or (
-                klass is object):
+    for klass in (k for c in classes for k in c.__mro__):
+        if klass in seen or klass is object or klass.__module__.startswith(skip):
             continue
         seen.add(klass)
         for name, attr in vars(klass).items():
@@ -157,7 +164,7 @@ def fingerprint(cls: type, *more: type) -> dict[str, str]:
             if isinstance(fn, property):
                 fn = fn.fget
             if isinstance(fn, types.FunctionType):
-                out[f"{klass.__qualname__}.{name}"] = _code_hash(fn.__code__, fn.__globals__)
+                out.append((f"{klass.__qualname__}.{name}", fn))
     return out
 
 

@@ -30,6 +30,7 @@ from typing import Any
 from blake3 import blake3
 
 from ._errors import Refused
+from ._keys import functions_of
 from ._values import codec_for
 
 _MAX_DEPTH = 8
@@ -97,19 +98,9 @@ def name_value(v: Any, where: str, depth: int = 0,
         return f"name:{type(v).__qualname__}"  # a sentinel, a logger: nothing computed
     if isinstance(v, types.MethodType):
         return f"method:{type(v.__self__).__qualname__}.{again(v.__func__, where, depth + 1)}"
-    if isinstance(v, (tuple, list, set, frozenset)):
-        items = [again(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
-        if isinstance(v, (set, frozenset)):
-            items.sort()
-        return f"{type(v).__name__}[{','.join(items)}]"
-    if isinstance(v, dict):  # in their order: code that iterates a dict sees it
-        return "dict[" + ",".join(f"{again(k, where, depth + 1)}:"
-                                  f"{again(x, f'{where}[{k!r}]', depth + 1)}"
-                                  for k, x in v.items()) + "]"
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        items = [f"{f.name}={again(getattr(v, f.name), f'{where}.{f.name}', depth + 1)}"
-                 for f in dataclasses.fields(v)]
-        return f"{type(v).__module__}.{type(v).__qualname__}({','.join(items)})"
+    text = structure_text(v, where, depth, again)
+    if text is not None:
+        return text
     c = codec_for(v)
     if c is not None:
         try:
@@ -120,6 +111,26 @@ def name_value(v: Any, where: str, depth: int = 0,
         except Exception:  # noqa: BLE001 - a codec refusing it: unnamed, said below
             pass
     raise Unnamed(where, type(v).__qualname__)
+
+
+def structure_text(v: Any, where: str, depth: int, again: Callable) -> str | None:
+    """A tuple, list, set, dict (in its order: code that iterates it sees that order) or
+    dataclass named by its items, each by ``again(item, where, depth)``; None for any
+    other value."""
+    if isinstance(v, (tuple, list, set, frozenset)):
+        items = [again(x, f"{where}[{i}]", depth + 1) for i, x in enumerate(v)]
+        if isinstance(v, (set, frozenset)):
+            items.sort()
+        return f"{type(v).__name__}[{','.join(items)}]"
+    if isinstance(v, dict):
+        return "dict[" + ",".join(f"{again(k, where, depth + 1)}:"
+                                  f"{again(x, f'{where}[{k!r}]', depth + 1)}"
+                                  for k, x in v.items()) + "]"
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        items = [f"{f.name}={again(getattr(v, f.name), f'{where}.{f.name}', depth + 1)}"
+                 for f in dataclasses.fields(v)]
+        return f"{type(v).__module__}.{type(v).__qualname__}({','.join(items)})"
+    return None
 
 
 def function_text(fn: types.FunctionType, where: str, depth: int,
@@ -191,18 +202,7 @@ def reads_of(classes: tuple[type, ...]) -> Reads:
 def _references(classes: tuple[type, ...]) -> list:
     refs: list = []
     seen_code: set[int] = set()
-    todo: list[tuple[str, types.FunctionType]] = []
-    seen: set[type] = set()
-    for klass in (k for c in classes for k in c.__mro__):
-        if klass in seen or klass is object or klass.__module__.startswith(_LIBRARY_MODULES):
-            continue
-        seen.add(klass)
-        for name, attr in vars(klass).items():
-            fn = getattr(attr, "__func__", attr)
-            if isinstance(fn, property):
-                fn = fn.fget
-            if isinstance(fn, types.FunctionType):
-                todo.append((f"{klass.__qualname__}.{name}", fn))
+    todo: list[tuple[str, types.FunctionType]] = functions_of(classes, _LIBRARY_MODULES)
     written: set[tuple[int, str]] = set()  # (id of its globals, name)
     while todo:
         who, fn = todo.pop()

@@ -33,6 +33,7 @@ from ..._reads import (
     code_digest,
     function_text,
     name_value,
+    structure_text,
     value_namer,
     yours,
 )
@@ -175,20 +176,9 @@ def _named(v: Any, name: str, tensors: list, depth: int) -> str:
         if not yours(v.__code__):  # an installed package's (F.relu): its version names it
             return f"code:{v.__module__}.{v.__qualname__}:{code_digest(v.__code__)}"
         return function_text(v, name, depth, lambda x, w, d: _named(x, w, tensors, d))
-    if isinstance(v, (tuple, list, set, frozenset)):
-        items = [_named(x, f"{name}[{i}]", tensors, depth + 1) for i, x in enumerate(v)]
-        if isinstance(v, (set, frozenset)):
-            items.sort()
-        return f"{type(v).__name__}[{','.join(items)}]"
-    if isinstance(v, dict):  # in its order: code that iterates it sees that order
-        return "dict[" + ",".join(f"{_named(k, name, tensors, depth + 1)}:"
-                                  f"{_named(x, f'{name}[{k!r}]', tensors, depth + 1)}"
-                                  for k, x in v.items()) + "]"
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
-        items = [f"{f.name}={_named(getattr(v, f.name), f'{name}.{f.name}', tensors, depth + 1)}"
-                 for f in dataclasses.fields(v)]
-        return f"{type(v).__module__}.{type(v).__qualname__}({','.join(items)})"
-    return name_value(v, name, depth, lambda x, w, d: _named(x, w, tensors, d))
+    again = lambda x, w, d: _named(x, w, tensors, d)  # noqa: E731
+    text = structure_text(v, name, depth, again)
+    return text if text is not None else name_value(v, name, depth, again)
 
 
 class Watch:
