@@ -34,7 +34,7 @@ PROCESSES = {
     "test_hosts.py", "test_hydra.py", "test_items_processes.py", "test_lightning.py",
     "test_lightning_split.py", "test_main_job.py", "test_microbatches_remote.py",
     "test_mixed_routes.py", "test_packaging.py", "test_per_item.py",
-    "test_placed_edges.py", "test_placed_optimizers.py", "test_placed_ordinary.py",
+    "test_placed_edges.py", "test_placed_hf.py", "test_placed_optimizers.py", "test_placed_ordinary.py",
     "test_readme.py",
     "test_refusals.py", "test_remote.py", "test_remote_failure.py",
     "test_remote_reliability.py", "test_remote_standing.py", "test_remote_torchrun.py",

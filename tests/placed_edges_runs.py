@@ -36,14 +36,14 @@ class Kept(pl.Callback):
     """How many calls' graphs the worker keeps after each step (freed as the graphs here
     are: it must not grow)."""
 
-    def __init__(self):
-        self.counts = []
+    def __init__(self, name="encoder"):
+        self.name, self.counts = name, []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
         strategy = trainer.strategy
         if isinstance(strategy, SomatizeStrategy):  # (the part's name: part() or session())
             part = getattr(strategy, "part", None) or strategy.session
-            self.counts.append(part("encoder").call("worker", _kept, "encoder"))
+            self.counts.append(part(self.name).call("worker", _kept, self.name))
 
 
 def both(make, out, place=None, data=None, extra=None, **kw):
@@ -55,7 +55,7 @@ def both(make, out, place=None, data=None, extra=None, **kw):
         strategy = "auto" if name == "plain" else SomatizeStrategy(
             place=place or {"encoder": "worker"})
         model = make()
-        kept = Kept()
+        kept = Kept(next(iter(place or {"encoder": 0})))
         _, losses, weights = fit(model, strategy, data or digits(),
                                  **{**kw, "callbacks": [*kw.get("callbacks", []), kept]})
         got[name] = (losses, weights)
@@ -67,11 +67,11 @@ def both(make, out, place=None, data=None, extra=None, **kw):
     torch.save(got, out)
 
 
-def refused(make, out, **kw):
+def refused(make, out, place="encoder", data=None, **kw):
     """What a placed fit of ``make()`` was refused with."""
     said = ""
     try:
-        fit(make(), SomatizeStrategy(place={"encoder": "worker"}), digits(), **kw)
+        fit(make(), SomatizeStrategy(place={place: "worker"}), data or digits(), **kw)
     except Refused as e:
         said = str(e)
     torch.save({"said": said}, out)

@@ -66,6 +66,17 @@ class _Remote(torch.autograd.Function):
         return (None, None, None, None, None, None, None, *back)
 
 
+def _values(carried: dict) -> dict:
+    # each carried variable's value here, by its token (one not set here: not sent)
+    values = {}
+    for key, var in carried.items():
+        try:
+            values[key] = var.get()
+        except LookupError:
+            pass
+    return values
+
+
 class _Ticket:
     """Frees what call ``number`` keeps over there when the graph here lets it go."""
 
@@ -134,9 +145,12 @@ class Link:
         sent = self.sent
         sent.writes(self.ops)
         self.routing.hooks(self.ops)  # put on its children here since: they run there
-        structure = spread(args, kwargs)  # distinct tensors only: no structure to pickle
+        carried = self.routing.carried  # context variables its children's hooks read
+        tree = (args, kwargs, _values(carried)) if carried else (args, kwargs)
+        # distinct tensors only: no structure to pickle
+        structure = None if carried else spread(args, kwargs)
         if structure is None:
-            flat, spec = tree_flatten((args, kwargs))
+            flat, spec = tree_flatten(tree)
             tensors, plain = pack(flat)
             structure = Pickled(dumps((spec, plain)))  # the script's classes by value
         else:
@@ -174,7 +188,7 @@ class Link:
         out, side, changed = tree_unflatten(unpack(outs, out_plain), out_spec)
         sent.attributes.left(side)  # an auxiliary loss the forward set on self
         if changed is not None:  # a cache it appended to, a tensor it wrote into
-            into((args, kwargs), changed, self.name)
+            into(tree, changed, self.name)
         return out
 
     def _node(self, number: int, needs: list, outs: list, alive: list, inputs: list) -> tuple:

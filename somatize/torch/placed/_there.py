@@ -27,7 +27,7 @@ import torch
 from ..._errors import Refused, WorkerError
 from ..._trace import span
 from .._module import ModuleNode
-from .._pickling import dumps
+from .._pickling import dumps, stand_in
 from .._private import hooks_of, version, versions
 from .._raised import Raised, caught
 from .._state import on_cpu
@@ -35,6 +35,7 @@ from ._looks import looks, mutable
 from ._messages import Answer, Call, Pickled, Same, bare, pack, unpack
 from ._ordinary import _OWN
 from ._reach import described, reach
+from ._registries import register, registered
 from ._tree import tree_flatten, tree_unflatten
 
 
@@ -48,6 +49,7 @@ class Placed(ModuleNode):
         self.kept: dict[int, tuple[list, list]] = {}
         self.mirrors: dict[int, torch.optim.Optimizer] = {}
         self.chosen: torch.optim.Optimizer | None = None
+        self.registered = registered(module)  # what building it registered here
 
 
 def _apply(placed: Placed, ops: list) -> None:
@@ -89,6 +91,9 @@ def _call(live, name: str, call: Call) -> Answer | Raised:
     try:
         placed = live.catalog[name]
         dev = _settled_on(placed, call.device)
+        if placed.registered:  # before its first call: what building it registered here
+            register(placed.registered)
+            placed.registered = ()
         tensors = [t.to(dev) for t in call.tensors]
         _apply(placed, call.ops)
         structure = call.structure
@@ -125,9 +130,13 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
         n = plain.positional
         flat, args = leaves, tuple(leaves[:n])
         kwargs = dict(zip(plain.names, leaves[n:], strict=True))
+        tree = (args, kwargs)
     else:
         flat = unpack(leaves, plain)
-        args, kwargs = tree_unflatten(flat, spec)
+        tree = tree_unflatten(flat, spec)
+        args, kwargs = tree[0], tree[1]
+    # the context variables the children's hooks read, as they are here
+    carried = tree[2] if len(tree) == 3 else {}
     was = versions(leaves)
     modules = placed.__dict__.get("modules") or placed.__dict__.setdefault(
         "modules", list(placed.module.modules()))
@@ -144,7 +153,7 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
     held = [looks(modules[i].__dict__.get(k)) for i, k in deep]
     # the module's own hooks ran here, around this call: its forward alone runs here
     forward = placed.module.forward
-    with span(f"forward {name}", "node"):
+    with span(f"forward {name}", "node"), _set(carried):
         if call.inference:
             with torch.inference_mode():
                 out = forward(*args, **kwargs)
@@ -167,7 +176,7 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
             side.append((i, k, v))
     # a structure of tensors alone changes only through a tensor written in place
     changed = None if spec is None and versions(leaves) == was else _changed(
-        args, kwargs, flat, leaves, was)
+        tree, flat, leaves, was)
     structure = None if side or changed is not None else bare(out)
     if structure is None:  # pickled: the output, what it left, the arguments it changed
         out_flat, out_spec = tree_flatten((out, side, changed))
@@ -224,10 +233,22 @@ def _travels(v: Any) -> bool:
     return dataclasses.is_dataclass(v) and not isinstance(v, type)
 
 
-def _changed(args: tuple, kwargs: dict, flat: list, leaves: list, versions: list) -> Any:
-    """The arguments, when the forward changed them in place (appended to a list, wrote
-    into a tensor); else None. Tensors it left alone stand as ``Same`` (the caller's)."""
-    after, spec = tree_flatten((args, kwargs))
+@contextlib.contextmanager
+def _set(carried: dict):
+    # the context variables the children's hooks read, set as they are here for the call
+    tokens = [(var, var.set(v)) for var, v in ((stand_in(k), v) for k, v in carried.items())]
+    try:
+        yield
+    finally:
+        for var, t in reversed(tokens):
+            var.reset(t)
+
+
+def _changed(tree: tuple, flat: list, leaves: list, versions: list) -> Any:
+    """The arguments (and carried context values), when the forward changed them in place
+    (appended to a list, wrote into a tensor); else None. Tensors it left alone stand as
+    ``Same`` (the caller's)."""
+    after, spec = tree_flatten(tree)
     touched = {id(t) for t, v in zip(leaves, versions, strict=True) if version(t) != v}
     same = len(after) == len(flat) and all(a is b for a, b in zip(after, flat, strict=True))
     if same and not touched:
