@@ -266,6 +266,7 @@ class Collects(pl.LightningModule):
         self.encoder = nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 8))
         self.head = nn.Linear(8, 64)
         self.hooked = False
+        self.seen = []
 
     def training_step(self, batch, i):
         x = batch[0]
@@ -283,6 +284,7 @@ class Collects(pl.LightningModule):
         finally:
             COLLECTOR.reset(token)
         loss = F.mse_loss(self.head(h), x) + 0.01 * sum(s.mean() for s in states)
+        self.seen.append(len(states))
         self.log("loss", loss)
         return loss
 
@@ -291,7 +293,7 @@ class Collects(pl.LightningModule):
 
 
 def contextvar(out):
-    refused(Collects, out, max_steps=3)
+    both(Collects, out, max_steps=4, extra=lambda m: m.seen)
 
 
 # -- (3) every backward ---------------------------------------------------------------
@@ -448,6 +450,37 @@ def residual(out):
     both(Residual, out, max_steps=4)
 
 
+class Fans(nn.Module):
+    """Uses its argument three times."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, h):
+        return torch.tanh(self.a(h)) * h + self.b(h)
+
+
+class FansOut(Residual):
+    """A tensor used three times inside the placed module and twice outside it, after."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = Fans()
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        h = self.pre(x)
+        y = self.encoder(h)
+        loss = F.mse_loss(self.head(y * h + h.pow(2)), x)
+        self.log("loss", loss)
+        return loss
+
+
+def fan_out(out):
+    both(FansOut, out, max_steps=4)
+
+
 # -- (5) compile() before fit ---------------------------------------------------------
 
 def compiled_before(out):
@@ -508,6 +541,53 @@ class Generates(pl.LightningModule):
 
 def kv_cache(out):
     both(Generates, out, max_epochs=2, limit_train_batches=3, extra=lambda m: m.vals)
+
+
+# -- (7) an exception of the script's class, caught in the LightningModule -----------
+
+class OutOfRange(Exception):
+    """Two required arguments its __init__ turns into a message (so args is not them)."""
+
+    def __init__(self, idx, limit):
+        super().__init__(f"index {idx} over {limit}")
+        self.idx, self.limit = idx, limit
+        self.seen = [idx]
+
+
+class Checks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+        self.limit = 10
+
+    def forward(self, x):
+        if self.limit < 10:
+            raise OutOfRange(12, self.limit)
+        return self.lin(x)
+
+
+class Catches(Base):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Checks()
+        self.caught = None
+
+    def training_step(self, batch, i):
+        if i == 1:
+            self.encoder.limit = 5
+            try:
+                self.encoder(batch[0])
+            except OutOfRange as e:
+                self.caught = (type(e) is OutOfRange, type(e).__name__, e.idx, e.limit,
+                               e.seen, e.args, str(e))
+            self.encoder.limit = 10
+        return super().training_step(batch, i)
+
+
+def raised(out):
+    model = Catches()
+    fit(model, SomatizeStrategy(place={"encoder": "worker"}), digits(), max_steps=2)
+    torch.save({"caught": model.caught}, out)
 
 
 def many(out, *cases):

@@ -89,7 +89,7 @@ class Gpt(pl.LightningModule):
         x = batch[0]
         out = self.encoder(x, labels=x, output_hidden_states=True, output_attentions=True)
         self.seen.append((len(out.hidden_states), len(out.attentions)))
-        loss = out.loss + 0.01 * out.hidden_states[-1].pow(2).mean() \
+        loss = out.loss + 0.01 * sum(h.pow(2).mean() for h in out.hidden_states) \
             + sum(a.pow(2).mean() for a in out.attentions)
         self.log("loss", loss)
         return loss

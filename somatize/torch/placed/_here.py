@@ -51,10 +51,14 @@ class _Remote(torch.autograd.Function):
     What the call keeps over there is freed when this node is (``_Ticket``)."""
 
     @staticmethod
-    def forward(ctx, link, number, needs, outs, alive, acc, anchor, *inputs):
+    def forward(ctx, link, number, needs, outs, alive, acc, anchor, uses, *inputs):
         ctx.set_materialize_grads(False)
         ctx.link, ctx.number, ctx.needs, ctx.acc = link, number, needs, acc
         ctx.ticket = _Ticket(link, number)
+        ctx.uses = uses
+        if uses:  # an argument used k times over there stands k times here (_node)
+            at = itertools.accumulate(uses, initial=0)
+            inputs = tuple(inputs[i] for i in itertools.islice(at, len(uses)))
         ctx.inputs = inputs  # (held, not saved: a later in-place write here is no error)
         ctx.mark_non_differentiable(*[t for t, a in zip(outs, alive, strict=True)
                                       if not (a and t.is_floating_point())])
@@ -63,7 +67,18 @@ class _Remote(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         back = ctx.link._backward(ctx, grads)
-        return (None, None, None, None, None, None, None, *back)
+        if ctx.uses:  # each use's gradient apart: the engine adds them as plain autograd does
+            back = [g for b, k in zip(back, ctx.uses, strict=True)
+                    for g in (b + [None] * (k - len(b)) if isinstance(b, list)
+                              else [b] + [None] * (k - 1))]
+        return (None, None, None, None, None, None, None, None, *back)
+
+
+def _to(g: Any, here: torch.device) -> Any:
+    # a gradient, or each use's (an argument used more than once over there)
+    if isinstance(g, list):
+        return [None if u is None else u.to(here) for u in g]
+    return None if g is None else g.to(here)
 
 
 def _values(carried: dict) -> dict:
@@ -179,7 +194,8 @@ class Link:
         self.stale = self.stale or self.buffered  # its buffers may have moved over there
         if answer.kept:  # something over there asks for dL/d(outputs): the call is in the graph
             outs = self._node(call.number, needs, outs, answer.alive,
-                              [t for t, need in zip(tensors, needs, strict=True) if need])
+                              [t for t, need in zip(tensors, needs, strict=True) if need],
+                              answer.uses)
         out = answer.structure
         if type(out) is Bare:  # one tensor, or a tuple of them
             return outs[0] if out.lone else tuple(outs)
@@ -191,11 +207,15 @@ class Link:
             into(tree, changed, self.name)
         return out
 
-    def _node(self, number: int, needs: list, outs: list, alive: list, inputs: list) -> tuple:
-        # the call as a node of the graph here (its anchor tells .backward() from grad())
+    def _node(self, number: int, needs: list, outs: list, alive: list, inputs: list,
+              uses: tuple = ()) -> tuple:
+        # the call as a node of the graph here (its anchor tells .backward() from grad());
+        # an argument the forward used k times over there is an input k times
         anchor = torch.empty(0, requires_grad=True)
         acc = torch.autograd.graph.get_gradient_edge(anchor).node
-        return _Remote.apply(self, number, needs, outs, alive, acc, anchor, *inputs)
+        if uses:
+            inputs = [t for t, k in zip(inputs, uses, strict=True) for _ in range(k)]
+        return _Remote.apply(self, number, needs, outs, alive, acc, anchor, uses, *inputs)
 
     def _freed(self) -> tuple:
         freed, self.freed = self.freed, []
@@ -235,8 +255,7 @@ class Link:
             return []
         back = self._rpc(*args)
         here = self.here
-        return [None if g is None else g.to(here)
-                for g, need in zip(back, needs, strict=True) if need]
+        return [_to(g, here) for g, need in zip(back, needs, strict=True) if need]
 
     def _rpc(self, fn: Any, *args: Any) -> Any:
         # the worker runs calls in the order they were sent: this one goes at once, behind

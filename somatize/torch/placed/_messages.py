@@ -72,8 +72,9 @@ class Call:
 class Answer:
     """A call's answer: the output's tensors (detached, on the CPU) and how its
     structure travels, which of them carry a gradient over there, the RNG state the
-    forward left, the worker's pid, and whether the call waits for a backward (a
-    frozen module's does not)."""
+    forward left, the worker's pid, whether the call waits for a backward (a frozen
+    module's does not), and how many uses the forward made of each argument that asks
+    for a gradient, when one was used more than once (``_there.fans``)."""
 
     tensors: list
     structure: Bare | Pickled
@@ -81,6 +82,7 @@ class Answer:
     rng: torch.Tensor
     pid: int
     kept: bool
+    uses: tuple = ()
 
 
 class TensorHere:

@@ -17,12 +17,14 @@ nothing on its modules and changed no argument.
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import os
 import pickle
 from typing import Any
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from ..._errors import Refused, WorkerError
 from ..._trace import span
@@ -46,7 +48,7 @@ class Placed(ModuleNode):
 
     def __init__(self, module: torch.nn.Module):
         super().__init__(module)
-        self.kept: dict[int, tuple[list, list]] = {}
+        self.kept: dict[int, tuple] = {}  # (leaves, outputs, fans)
         self.mirrors: dict[int, torch.optim.Optimizer] = {}
         self.chosen: torch.optim.Optimizer | None = None
         self.registered = registered(module)  # what building it registered here
@@ -183,16 +185,46 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
         outs, out_plain = pack(out_flat)
     else:
         outs = [out] if structure.lone else list(out)
+    uses = ()
     if call.grad and any(t.requires_grad for t in outs):
-        placed.kept[call.number] = (
-            [t if need else None for t, need in zip(leaves, needs, strict=True)], outs)
+        kept = [t if need else None for t, need in zip(leaves, needs, strict=True)]
+        fan = fans(outs, [t for t in kept if t is not None])
+        placed.kept[call.number] = (kept, outs, fan)
+        if fan:  # an argument used more than once: its uses' gradients answered apart
+            uses = tuple(len(fan.get(i, ())) or 1 for i in range(sum(needs)))
     if structure is None:
         structure = Pickled(dumps((out_spec, out_plain)))
     # tensors cross on the CPU (no TensorPipe device maps yet): moved at the boundary;
     # a detached output stays so here
     return Answer([t.detach().cpu() for t in outs], structure,
                   [t.requires_grad for t in outs], torch.get_rng_state(), os.getpid(),
-                  call.number in placed.kept)
+                  call.number in placed.kept, uses)
+
+
+def fans(outs: list, leaves: list) -> dict:
+    """For each of ``leaves`` that the graph from ``outs`` uses more than once, by index:
+    its uses, as ``(node, input)``, in the order of the graph's edges. Their gradients
+    are answered apart, for the engine here to add them to what the tensor gets here in
+    the order plain autograd would (one sum over there would round differently)."""
+    accs = {get_gradient_edge(t).node: i for i, t in enumerate(leaves)}
+    uses: dict = {}
+    seen = set()
+    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        for j, (nxt, _) in enumerate(node.next_functions):
+            if nxt is None:
+                continue
+            i = accs.get(nxt)
+            if i is not None:
+                uses.setdefault(i, []).append((node, j))
+            elif nxt not in seen:
+                stack.append(nxt)
+    return {i: u for i, u in uses.items() if len(u) > 1} if any(
+        len(u) > 1 for u in uses.values()) else {}
 
 
 _MISSING = object()
@@ -258,6 +290,28 @@ def _changed(tree: tuple, flat: list, leaves: list, versions: list) -> Any:
                            and id(t) not in touched else t for t in after], spec)
 
 
+@contextlib.contextmanager
+def _heard(fan: dict):
+    # the gradient each use of an argument used more than once adds, as the engine adds it
+    heard: dict = {i: [] for i in fan}
+    handles = []
+    for i, uses in fan.items():
+        edges: dict = {}
+        for node, j in uses:
+            edges.setdefault(node, []).append(j)
+        for node, js in edges.items():
+            handles.append(node.register_hook(functools.partial(_hear, heard[i], js)))
+    try:
+        yield heard
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _hear(into: list, edges: list, grad_inputs: tuple, grad_outputs: tuple) -> None:
+    into.extend(grad_inputs[j] for j in edges)
+
+
 def _backward(live, name: str, call: int, grads: list, ops: list, accumulate: bool = True,
               then: int | None = None, asks: list | None = None) -> Any:
     """dL/d(the call's arguments), given dL/d(its outputs): into the weights too when
@@ -274,8 +328,9 @@ def _backward(live, name: str, call: int, grads: list, ops: list, accumulate: bo
             raise RuntimeError(
                 f"a backward reached {name!r} for a call whose graph was freed: call "
                 ".backward(retain_graph=True) the first time to go through it again")
-        leaves, outs = got
+        leaves, outs, *fan = got
         create = then is not None
+        fan = fan[0] if fan and not create else {}  # (under create_graph: summed here)
         device = outs[0].device if outs else None
         given = [None if g is None else g.to(device) for g in grads]
         if create:
@@ -286,7 +341,8 @@ def _backward(live, name: str, call: int, grads: list, ops: list, accumulate: bo
         wanted = [leaf for leaf in leaves if leaf is not None]
         back: list = [None] * len(wanted)
         if pairs:
-            with span(f"backward {name}", "node"), torch.set_grad_enabled(create):
+            with span(f"backward {name}", "node"), torch.set_grad_enabled(create), \
+                    _heard(fan) as heard:
                 o, g = [o for o, _ in pairs], [g for _, g in pairs]
                 if accumulate:  # the weights' .grad too; the arguments' read and let go
                     for leaf in wanted:
@@ -298,10 +354,12 @@ def _backward(live, name: str, call: int, grads: list, ops: list, accumulate: bo
                 elif wanted:
                     back = list(torch.autograd.grad(o, wanted, g, retain_graph=True,
                                                     create_graph=create, allow_unused=True))
+            for i, uses in heard.items():  # each use's gradient, in the order they were added
+                back[i] = [None if u is None else u.cpu() for u in uses]
         it = iter(back)
         back = [None if leaf is None else next(it) for leaf in leaves]
         if not create:
-            return [None if b is None else b.cpu() for b in back]
+            return [b.cpu() if isinstance(b, torch.Tensor) else b for b in back]
         kept_outs = [b for b in back if b is not None]
         if any(t.requires_grad for t in kept_outs):
             placed.kept[then] = ([g if ask else None for g, ask in zip(given, asks, strict=True)]
