@@ -590,6 +590,60 @@ def raised(out):
     torch.save({"caught": model.caught}, out)
 
 
+# -- (8) what is refused before the first step, in the words of place= ---------------
+
+class Layers(Base):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.ModuleList([nn.Linear(64, 8)])
+
+    def training_step(self, batch, i):
+        return F.mse_loss(self.head(self.encoder[0](batch[0])), batch[0])
+
+
+def module_list(out):
+    refused(Layers, out, max_steps=1)
+
+
+class TakesAnything(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+
+    def forward(self, x, steps=None):
+        return self.lin(x)
+
+
+class PassesAGenerator(Base):
+    def __init__(self):
+        super().__init__()
+        self.encoder = TakesAnything()
+
+    def training_step(self, batch, i):
+        h = self.encoder(batch[0], steps=(k for k in range(3)))
+        return F.mse_loss(self.head(h), batch[0])
+
+
+def generator_argument(out):
+    refused(PassesAGenerator, out, max_steps=1)
+
+
+def normed(parametrized):
+    norm = torch.nn.utils.parametrizations.weight_norm if parametrized \
+        else torch.nn.utils.weight_norm
+    model = Sequential()
+    model.encoder[2] = norm(nn.Linear(16, 8))
+    return model
+
+
+def parametrized(out):
+    refused(lambda: normed(True), out, max_steps=1)
+
+
+def weight_norm_hook(out):
+    both(lambda: normed(False), out, max_steps=4)
+
+
 def many(out, *cases):
     for case in cases:
         globals()[case](os.path.join(os.path.dirname(out), f"{case}.pt"))

@@ -13,7 +13,7 @@ RUNS = "placed_edges_runs.py"
 pytestmark = pytest.mark.timeout(1500)  # one process runs every case (RPC starts once)
 CASES = ["attributes", "unpicklable", "structure", "hooks", "hook_outside", "contextvar",
          "pinn", "wgan", "twice", "fgsm", "residual", "fan_out", "compiled_before", "kv_cache",
-         "raised"]
+         "raised", "module_list", "generator_argument", "parametrized", "weight_norm_hook"]
 
 
 @pytest.fixture(scope="module")
@@ -138,3 +138,29 @@ def test_an_exception_of_the_scripts_class_is_caught_here_with_its_attributes(ra
     assert same_class and name == "OutOfRange" and (idx, limit, seen) == (12, 5, [12])
     assert said.startswith("index 12 over 5 (raised in module 'encoder' on worker 'worker'")
     assert args == (said,)
+
+
+def test_a_module_list_placed_is_refused_at_placement_naming_its_children(ran):
+    said = ran("module_list")["said"]
+    assert said.startswith("'encoder' is placed (place={'encoder': 'worker'}) but is a "
+                           "ModuleList, which has no forward of its own")
+    assert "Place its children by name (place={'encoder.0': ...})" in said
+
+
+def test_an_argument_that_cannot_be_sent_is_refused_naming_the_module_and_argument(ran):
+    said = ran("generator_argument")["said"]
+    assert said.startswith("'encoder' was called with argument 'steps' (generator), which "
+                           "cannot be sent to worker 'worker'")
+    assert "a list instead of a generator" in said
+
+
+def test_a_parametrized_weight_norm_is_refused_in_the_words_of_place(ran):
+    said = ran("parametrized")["said"]
+    assert said.startswith("module 'encoder' (Sequential) is placed (place={'encoder': "
+                           "'worker'}) but cannot be sent to worker 'worker'")
+    assert "encoder.2 is parametrized" in said and ".at(" not in said
+    assert "Use torch.nn.utils.weight_norm (the hook form, which pickles)" in said
+
+
+def test_the_hook_form_of_weight_norm_that_the_refusal_advises_is_exact(ran):
+    exact(ran("weight_norm_hook"))

@@ -33,7 +33,7 @@ from .._state import restore
 from ._fresh import fresh, unfresh
 from ._messages import Bare, Call, Pickled, Same, pack, spread, unpack
 from ._module_ops import Free, Sent
-from ._ordinary import into
+from ._ordinary import into, unsendable
 from ._routing import Routing
 from ._there import _backward, _call, _state, _weights
 from ._tree import tree_flatten, tree_unflatten
@@ -167,7 +167,10 @@ class Link:
         if structure is None:
             flat, spec = tree_flatten(tree)
             tensors, plain = pack(flat)
-            structure = Pickled(dumps((spec, plain)))  # the script's classes by value
+            try:
+                structure = Pickled(dumps((spec, plain)))  # the script's classes by value
+            except Exception as e:
+                raise unsendable(self.name, self.host, args, kwargs, e) from None
         else:
             tensors = [*args, *kwargs.values()]
         grad = torch.is_grad_enabled()

@@ -61,6 +61,15 @@ class Routing:
     def install(self) -> None:
         module = self.link.module
         name = self.link.name
+        if type(module).forward is torch.nn.Module.forward:  # a ModuleList, a ModuleDict
+            kids = [f"{name}.{k}" for k, _ in module.named_children()]
+            raise Refused(
+                f"{name!r} is placed (place={{{name!r}: {self.link.host!r}}}) but is a "
+                f"{type(module).__name__}, which has no forward of its own: the model calls "
+                "its children one by one, so nothing would run over there. Place its "
+                f"children by name (place={{{', '.join(repr(k) + ': ...' for k in kids[:2])}"
+                f"{', ...' if len(kids) > 2 else ''}}}) or the module that holds {name!r} "
+                "and calls them")
         for path, m in module.named_modules():
             if routed_to(m) is not None:  # compiled in place before fit
                 where = f"{name}.{path}" if path else name
