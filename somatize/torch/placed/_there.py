@@ -188,7 +188,7 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
     uses = ()
     if call.grad and any(t.requires_grad for t in outs):
         kept = [t if need else None for t, need in zip(leaves, needs, strict=True)]
-        fan = fans(outs, [t for t in kept if t is not None])
+        fan = fans(outs, [t for t in kept if t is not None]) if any(needs) else {}
         placed.kept[call.number] = (kept, outs, fan)
         if fan:  # an argument used more than once: its uses' gradients answered apart
             uses = tuple(len(fan.get(i, ())) or 1 for i in range(sum(needs)))
