@@ -19,6 +19,7 @@ hosts = pytest.fixture(_hosts.fixture, name="hosts")  # network namespaces (test
 # is left running a long file alone at the end (`--durations=0` says which these are)
 FIRST = ["test_remote.py", "test_placed_optimizers.py", "test_dropin.py", "test_gpu_check.py",
          "test_secret.py", "test_fed_study.py", "test_hosts.py", "test_placed_edges.py",
+         "test_placed_hf.py",
          "test_docs.py", "test_microbatches_remote.py", "test_remote_reliability.py",
          "test_lightning_split.py", "test_main_job.py", "test_fed_hosts.py", "test_hydra.py"]
 
