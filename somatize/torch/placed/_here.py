@@ -81,6 +81,21 @@ def _to(g: Any, here: torch.device) -> Any:
     return None if g is None else g.to(here)
 
 
+def _held(values: dict, tensors: list, held: list) -> tuple:
+    # the carried values without their tensors (the hidden states collected so far: a hook
+    # over there appends, and reads no values): each stands as Same, the caller's own
+    flat, spec = tree_flatten(values)
+    at = {id(t): i for i, t in enumerate(tensors)}
+    for k, v in enumerate(flat):
+        if isinstance(v, torch.Tensor):
+            i = at.get(id(v))
+            if i is None:
+                i = at[id(v)] = len(tensors) + len(held)
+                held.append(v)
+            flat[k] = Same(i)
+    return spec, flat
+
+
 def _values(carried: dict) -> dict:
     # each carried variable's value here, by its token (one not set here: not sent)
     values = {}
@@ -164,11 +179,15 @@ class Link:
         tree = (args, kwargs, _values(carried)) if carried else (args, kwargs)
         # distinct tensors only: no structure to pickle
         structure = None if carried else spread(args, kwargs)
+        held: list = []  # tensors the carried values hold (they stay here: _held)
         if structure is None:
-            flat, spec = tree_flatten(tree)
+            flat, spec = tree_flatten((args, kwargs))
             tensors, plain = pack(flat)
+            told = (spec, plain)
+            if carried:
+                told = (spec, plain, *_held(tree[2], tensors, held))
             try:
-                structure = Pickled(dumps((spec, plain)))  # the script's classes by value
+                structure = Pickled(dumps(told))  # the script's classes by value
             except Exception as e:
                 raise unsendable(self.name, self.host, args, kwargs, e) from None
         else:
@@ -203,7 +222,8 @@ class Link:
         if type(out) is Bare:  # one tensor, or a tuple of them
             return outs[0] if out.lone else tuple(outs)
         out_spec, out_plain = pickle.loads(out.blob)
-        out_plain = [tensors[p.i] if isinstance(p, Same) else p for p in out_plain]
+        here = tensors + held if held else tensors
+        out_plain = [here[p.i] if isinstance(p, Same) else p for p in out_plain]
         out, side, changed = tree_unflatten(unpack(outs, out_plain), out_spec)
         sent.attributes.left(side)  # an auxiliary loss the forward set on self
         if changed is not None:  # a cache it appended to, a tensor it wrote into

@@ -101,7 +101,7 @@ def _call(live, name: str, call: Call) -> Answer | Raised:
         structure = call.structure
         if type(structure) is Pickled:
             try:
-                spec, plain = pickle.loads(structure.blob)
+                spec, plain, *carried = pickle.loads(structure.blob)
             except Exception as e:
                 raise WorkerError(
                     f"the worker could not read the arguments of a call to {name!r} "
@@ -109,7 +109,7 @@ def _call(live, name: str, call: Call) -> Answer | Raised:
                     "there (installed, or on its PYTHONPATH) or defined in your script"
                 ) from None
         else:
-            spec, plain = None, structure
+            spec, plain, carried = None, structure, ()
         torch.set_rng_state(call.rng)
         with contextlib.ExitStack() as under:
             for device_type, cast, cache in call.autocast:  # the caller's, as it was
@@ -118,13 +118,13 @@ def _call(live, name: str, call: Call) -> Answer | Raised:
             if call.dtype != torch.get_default_dtype():  # bf16-true / 16-true set it
                 under.callback(torch.set_default_dtype, torch.get_default_dtype())
                 torch.set_default_dtype(call.dtype)
-            return _run_call(placed, name, call, tensors, spec, plain)
+            return _run_call(placed, name, call, tensors, spec, plain, carried)
     except Exception as e:  # raised there as its own type, with this traceback as cause
         return caught(e)
 
 
 def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
-              plain: Any) -> Answer:
+              plain: Any, carried: Any = ()) -> Answer:
     needs = call.needs
     leaves = [t.detach().requires_grad_() if need else t
               for t, need in zip(tensors, needs, strict=True)]
@@ -135,10 +135,13 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
         tree = (args, kwargs)
     else:
         flat = unpack(leaves, plain)
-        tree = tree_unflatten(flat, spec)
-        args, kwargs = tree[0], tree[1]
-    # the context variables the children's hooks read, as they are here
-    carried = tree[2] if len(tree) == 3 else {}
+        tree = args, kwargs = tree_unflatten(flat, spec)
+    if carried:  # the context variables the children's hooks read, as they are here
+        held_spec, held = carried
+        carried = tree_unflatten(held, held_spec)
+        tree, flat = (args, kwargs, carried), [*flat, *held]
+    else:
+        carried = {}
     was = versions(leaves)
     modules = placed.__dict__.get("modules") or placed.__dict__.setdefault(
         "modules", list(placed.module.modules()))
