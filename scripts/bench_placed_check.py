@@ -79,7 +79,7 @@ def main() -> None:
         look = look_cost(module)  # (before the walk's forward)
         x = torch.randn(16, 64) if name.startswith("auto") else torch.randint(0, 64, (8, 12))
         walk = walk_cost(module, x) if name.startswith("auto") else walk_cost(
-            lambda t: module(t.long(), t.long()), x.float())
+            lambda t, m=module: m(t.long(), t.long()), x.float())
         print(f"{name} ({count} modules): {look:.1f} us per call; the walk over "
               f"there {walk:.1f} us")
 
