@@ -25,6 +25,7 @@ from ._config import StudyConfig
 from ._seeds import generator_seed, seeded
 
 Owners = Mapping[str, tuple[Callable[[], torch.nn.Module], Iterable]]
+_END = object()
 
 
 @dataclasses.dataclass
@@ -116,14 +117,14 @@ def replay(ledger: list[dict], owners: Owners, study: StudyConfig | Any, path: s
             s = shared[o]
             if s.round != r:  # its first step of a new round
                 s.round, s.step = r, 0
-                its.pop(o, None)
             torch.set_rng_state(rng[o])
-            if o not in its:
-                its[o], idx[o] = iter(owners[o][1]), 0
             if entry["step"] != s.step:
                 raise Refused(f"the ledger has owner {o!r} at step {entry['step']} of round "
                               f"{r}; its replay is at step {s.step}")
-            batch = next(its[o])
+            batch = next(its[o], _END) if o in its else _END
+            if batch is _END:  # a new epoch (a round may span epochs: round_steps)
+                its[o], idx[o] = iter(owners[o][1]), 0
+                batch = next(its[o])
             opts[o].zero_grad()
             out = models[o].training_step(batch, idx[o])
             loss = out["loss"] if isinstance(out, dict) else out
@@ -160,7 +161,8 @@ def replay(ledger: list[dict], owners: Owners, study: StudyConfig | Any, path: s
                     s.inner.load_state_dict(tr)
             for s in shared.values():
                 s.rows = 0
-            its.clear()
+            if not cfg.round_steps:  # a round is an epoch: the next starts the data anew
+                its.clear()
     for o, m in models.items():
         _set(m, path, shared[o].inner)
     return Run(models, {k: v.clone() for k, v in trunk.state_dict().items()}, losses,
@@ -192,9 +194,10 @@ def schedule(cfg: StudyConfig, steps: Mapping[str, int], rounds: int) -> list[di
 
 def simulate(owners: Owners, study: StudyConfig | Any, rounds: int, path: str = "trunk",
              seeds: Mapping[str, int] | None = None) -> Run:
-    """A study in one process on its fixed schedule: ``replay`` of ``schedule``."""
+    """A study in one process on its fixed schedule: ``replay`` of ``schedule`` (a
+    round: ``round_steps`` owner-steps of each owner, or an epoch of its loader)."""
     cfg = study if isinstance(study, StudyConfig) else StudyConfig.load(study)
-    steps = {o: len(loader) for o, (_, loader) in owners.items()}
+    steps = {o: cfg.round_steps or len(loader) for o, (_, loader) in owners.items()}
     return replay(schedule(cfg, steps, rounds), owners, cfg, path, seeds)
 
 
