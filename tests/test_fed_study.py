@@ -40,14 +40,15 @@ STUDIES = {
     "dropv2": {"owners": ["a", "b", "c2"], "schedule": "v2", "order": "arrival",
                "quorum": 2, "turn_timeout": 3.0, "round_timeout": 300.0},
     "res": {"owners": ["a", "b"], "schedule": "v1", "rounds": 4},
+    "steps": {"owners": ["a", "b", "c"], "schedule": "v1", "round_steps": 2, "rounds": 3},
 }
 RUNS = {  # each owner's process: its studies in order, and what happens to it; "res"
     # stops after round 2 of 4 and resumes once the hub is back (RESUME holds its address)
-    "a": ["v1", "arr", "rr", "rr2", "dropv1", "dropv2", "res", "--delays", "arr",
+    "a": ["v1", "steps", "arr", "rr", "rr2", "dropv1", "dropv2", "res", "--delays", "arr",
           "--epochs", "res:2", "--then", "res:{resume}"],
-    "b": ["one1", "v1", "arr", "rr", "rr2", "dropv1", "dropv2", "res", "--delays", "arr",
+    "b": ["one1", "v1", "steps", "arr", "rr", "rr2", "dropv1", "dropv2", "res", "--delays", "arr",
           "--epochs", "res:2", "--then", "res:{resume}"],
-    "c": ["one2", "v1", "arr", "rr", "rr2", "dropv1", "--delays", "arr",
+    "c": ["one2", "v1", "steps", "arr", "rr", "rr2", "dropv1", "--delays", "arr",
           "--kill", "dropv1:1:0"],
     "c2": ["dropv2", "--kill", "dropv2:1:0"],
 }
@@ -363,3 +364,24 @@ def test_every_party_stops_after_round_2_of_4_and_resumes_to_the_straight_result
     _same(trunk, straight.trunk)
     for o in "ab":
         _same(_run(d, "res", o)["state"], straight.own_state(o, "trunk"))
+
+
+def test_v1_in_rounds_of_two_steps_equals_its_simulation_at_every_barrier(study):
+    # round_steps = 2: a's rounds cross its epochs' ends (3 batches an epoch), c's span
+    # two epochs (1 batch each); the hub's checkpoint of each barrier, and each owner's
+    # Lightning checkpoint of that step, hold what the simulation holds after that round
+    d = study["dir"]
+    cfg = _cfg(d, "steps")
+    for r in (1, 2, 3):
+        sim = simulate(_owners(cfg), cfg, rounds=r, seeds=_seeds(cfg))
+        trunk, ledger = load_round(d / "ck", "steps", round=r)
+        _same(trunk, sim.trunk)
+        assert [e["rows"] for e in ledger if e["kind"] == "average"] == [
+            {"a": 16, "b": 16, "c": 16}] * r
+        for o in "abc":
+            ck = torch.load(d / f"ckpt-steps-{o}" / f"step={2 * r}.ckpt", weights_only=False)
+            assert ck["somatize"]["study"]["round"] == r
+            _same({k: v for k, v in ck["state_dict"].items() if not k.startswith("trunk.")},
+                  sim.own_state(o, "trunk"))
+    for o in "abc":
+        _same(_run(d, "steps", o)["state"], sim.own_state(o, "trunk"))
