@@ -385,3 +385,42 @@ def test_v1_in_rounds_of_two_steps_equals_its_simulation_at_every_barrier(study)
                   sim.own_state(o, "trunk"))
     for o in "abc":
         _same(_run(d, "steps", o)["state"], sim.own_state(o, "trunk"))
+
+
+def test_a_round_exports_as_a_plain_state_dict_that_loads_without_somatize(study, tmp_path):
+    # somatize fed export: the shared module and the round's FedAvg of the parts, one
+    # plain state_dict (torch.load(weights_only=True) takes tensors in plain containers
+    # only: nothing of somatize in it); it loads into the LightningModule, strict, and
+    # equals FedAvg of three plain Lightning fits, at the last barrier and the first
+    import shutil
+
+    from safetensors.torch import save_file
+    from test_fed import _plain_fedavg
+
+    from somatize import Refused
+    from somatize.fed import export_round
+
+    d = study["dir"]
+    cfg = _cfg(d, "v1")
+    out = tmp_path / "v1.pt"
+    done = subprocess.run([sys.executable, "-m", "somatize", "fed", "export", str(d / "ck"),
+                           "v1", "--shared", "trunk", "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "entries of study 'v1'" in done.stdout, done.stderr
+    last, first = make_net(cfg), make_net(cfg)  # (plain LightningModules)
+    last.load_state_dict(torch.load(out, weights_only=True))
+    first.load_state_dict(export_round(d / "ck", "v1", "trunk", round=1))
+    _same(last.state_dict(), _plain_fedavg(cfg, list("abc"), rounds=2)["a"].state_dict())
+    _same(first.state_dict(), _plain_fedavg(cfg, list("abc"), rounds=1)["a"].state_dict())
+    trunk, _ = load_round(d / "ck", "v1")
+    _same({k[6:]: v for k, v in last.state_dict().items() if k.startswith("trunk.")}, trunk)
+    parts = {k: v for k, v in last.state_dict().items() if not k.startswith("trunk.")}
+    _same(parts, _run(d, "v1", "a")["state"])  # what each owner loaded at the barrier
+    # an average that is not the one the ledger names is refused, naming the file
+    shutil.copytree(d / "ck" / "v1", tmp_path / "ck" / "v1")
+    save_file({k: v + 1 for k, v in parts.items()},
+              str(tmp_path / "ck" / "v1" / "round-2" / "average.safetensors"))
+    with pytest.raises(Refused, match="average.safetensors is not the average the ledger"):
+        export_round(tmp_path / "ck", "v1", "trunk")
+    with pytest.raises(Refused, match="no barrier round-7"):
+        export_round(d / "ck", "v1", "trunk", round=7)

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -199,20 +197,3 @@ def simulate(owners: Owners, study: StudyConfig | Any, rounds: int, path: str = 
     cfg = study if isinstance(study, StudyConfig) else StudyConfig.load(study)
     steps = {o: cfg.round_steps or len(loader) for o, (_, loader) in owners.items()}
     return replay(schedule(cfg, steps, rounds), owners, cfg, path, seeds)
-
-
-def load_round(checkpoints: str | Path, study: str, round: int | None = None
-               ) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """A hub's checkpoint of ``study`` at a round barrier (the latest by default): the
-    shared module's state and the ledger."""
-    from safetensors.torch import load_file
-
-    d = Path(checkpoints) / study
-    if round is None:
-        if not (d / "latest").exists():
-            raise Refused(f"no checkpoint of study {study!r} under {checkpoints}")
-        round = int((d / "latest").read_text())
-    d = d / f"round-{round}"
-    tensors = load_file(str(d / "state.safetensors"))
-    meta = json.loads((d / "state.json").read_text())
-    return {k[6:]: v for k, v in tensors.items() if k.startswith("trunk.")}, meta["ledger"]
