@@ -38,8 +38,9 @@ class Worker:
             comes back advanced, so the run is exactly one piece's. ``"derived"``, for a
             worker of another organization: no RNG state crosses (from it a worker could
             predict this process's next shuffle, or any noise drawn here); each call
-            draws from a generator seeded by ``HMAC(rng_key, module/stage/step/batch/
-            call)`` (``somatize.lightning.DerivedRNG`` is its one-piece oracle).
+            draws from a generator seeded by ``HMAC(rng_key, module path/stage/global
+            step/batch/dataloader/call)`` (``somatize.lightning.DerivedRNG`` is its
+            one-piece oracle; docs/security.md). It is the placed route's (``place=``).
         rng_key: the key ``"derived"`` seeds derive from (a run's seed, not a secret).
     """
 
