@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from somatize import Graph
+from somatize import Graph, WorkerError
 from somatize._graph import Placement
 from somatize.remote._wire import bytes_of
 from somatize.torch._pickling import dumps
@@ -133,3 +133,29 @@ def test_weights_are_copied_into_a_module_in_place_by_state_dict_key():
     restore(module, {"0.weight": torch.zeros(2, 3), "1.running_mean": torch.ones(2)})
     assert module[0].weight is weight and torch.equal(weight, torch.zeros(2, 3))
     assert torch.equal(module[1].running_mean, torch.ones(2))
+
+
+def test_a_worker_is_told_what_its_placed_randomness_draws_from_or_refused_naming_both():
+    from somatize.remote import Worker
+
+    assert Worker().rng == "sent" and Worker.at("h:1", rng="derived").rng == "derived"
+    assert Worker.embedded(rng="derived", rng_key="k").rng_key == "k"
+    with pytest.raises(WorkerError, match="say 'sent' .* or 'derived'"):
+        Worker(rng="derive")
+
+
+def test_a_call_with_a_seed_draws_from_it_over_there_and_sends_no_rng_state_back():
+    # Worker(rng="derived"): the Call carries an int seed, not this process's state; the
+    # worker's dropout draws from it, its own RNG is put back, and the Answer holds none
+    from somatize.torch._seeds import seeded
+
+    drop = torch.nn.Dropout(0.5)
+    x = torch.ones(4, 8)
+    with seeded(12345):
+        want = drop(x)
+    call = dataclasses.replace(_call_of([x], Spread(1, ()), [False]), rng=12345)
+    before = torch.get_rng_state()
+    answer = _call(_live(drop), "enc", call)
+    assert isinstance(answer, Answer) and answer.rng is None
+    assert torch.equal(answer.tensors[0], want) and torch.equal(torch.get_rng_state(), before)
+    assert bytes_of(call) == x.nbytes  # the seed is no tensor: only the activation counts

@@ -86,7 +86,8 @@ class Link:
     go; ``sent``, what the worker was last sent of the module; ``ops``, what is queued
     for the next message; ``backwards``, the backwards sent without waiting whose
     answers are not read yet; whether the weights here are ``stale``, and whether a fit
-    is on (``fitting``)."""
+    is on (``fitting``); ``draws``, set when no RNG state may cross (``Worker(rng=
+    "derived")``): what gives each call's seed instead."""
 
     stands_in = True  # (its forward, set on the module while its hooks run here, is no attribute)
 
@@ -110,6 +111,7 @@ class Link:
         self.buffered = False  # the module has buffers (a call over there may move them)
         self.fitting = False
         self.stale = False  # the weights here are behind the ones over there
+        self.draws: Any = None  # () -> the seed of the next call, when no RNG state is sent
 
     # -- installing --------------------------------------------------------------------
     def install(self) -> None:
@@ -152,15 +154,18 @@ class Link:
         ops, self.ops = self.ops, []
         autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
                     for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        draws = self.draws  # Worker(rng="derived"): a seed of its own, no RNG state of ours
         call = Call(next(self.calls), crossing, structure, needs, grad,
-                    torch.is_inference_mode_enabled(), torch.get_rng_state(), ops, autocast,
+                    torch.is_inference_mode_enabled(),
+                    torch.get_rng_state() if draws is None else draws(), ops, autocast,
                     torch.get_default_dtype(), self.device)
         answer = self._rpc(_call, self.name, call)
         outs = answer.tensors
         here = self.here
         if here.type != "cpu":
             outs = [t.to(here) for t in outs]
-        torch.set_rng_state(answer.rng)  # what one piece's draws would have left it at
+        if answer.rng is not None:
+            torch.set_rng_state(answer.rng)  # what one piece's draws would have left it at
         self.part.add(self.name, answer.pid)
         self.stale = self.stale or self.buffered  # its buffers may have moved over there
         if answer.kept:  # something over there asks for dL/d(outputs): the call is in the graph

@@ -30,6 +30,7 @@ from .._module import ModuleNode
 from .._pickling import dumps
 from .._private import hooks_of, version, versions
 from .._raised import Raised, caught
+from .._seeds import seeded
 from .._state import on_cpu
 from ._looks import looks, mutable
 from ._messages import Answer, Call, Pickled, Same, bare, pack, unpack
@@ -103,8 +104,11 @@ def _call(live, name: str, call: Call) -> Answer | Raised:
                 ) from None
         else:
             spec, plain = None, structure
-        torch.set_rng_state(call.rng)
         with contextlib.ExitStack() as under:
+            if type(call.rng) is int:  # a seed of its own: no RNG state crossed
+                under.enter_context(seeded(call.rng, dev))
+            else:
+                torch.set_rng_state(call.rng)
             for device_type, cast, cache in call.autocast:  # the caller's, as it was
                 under.enter_context(torch.autocast(device_type, dtype=cast,
                                                    cache_enabled=cache))
@@ -182,7 +186,8 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
     # tensors cross on the CPU (no TensorPipe device maps yet): moved at the boundary;
     # a detached output stays so here
     return Answer([t.detach().cpu() for t in outs], structure,
-                  [t.requires_grad for t in outs], torch.get_rng_state(), os.getpid(),
+                  [t.requires_grad for t in outs],
+                  None if type(call.rng) is int else torch.get_rng_state(), os.getpid(),
                   call.number in placed.kept)
 
 
