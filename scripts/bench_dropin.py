@@ -18,9 +18,9 @@ validation); plain and split fits alternate ``--rounds`` times so both see the s
 machine. The overhead is split minus plain, in units of the bare round trip (the
 median of ``rpc_sync(worker, noop)`` at each timed epoch's end), each round against its
 own plain fit; the median over rounds is reported, with every round's. Also counted: the
-messages the strategy sent the worker per step (a call and its backward), and what one
-call costs with nothing in it (``runtime.call(worker, id)``: the function named, the
-session looked up).
+messages the strategy sent the worker per step (a call; its backward goes with the next
+one), and what one call costs with nothing in it (``runtime.call(worker, id)``: the
+function named, the session looked up).
 """
 
 from __future__ import annotations
