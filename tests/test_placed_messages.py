@@ -26,7 +26,7 @@ from somatize.torch.placed._messages import (
     pack,
     spread,
 )
-from somatize.torch.placed._there import Placed, _backward, _call
+from somatize.torch.placed._there import Backward, Placed, _backward, _call
 from somatize.torch.placed._tree import tree_flatten
 
 
@@ -159,3 +159,30 @@ def test_a_call_with_a_seed_draws_from_it_over_there_and_sends_no_rng_state_back
     assert isinstance(answer, Answer) and answer.rng is None
     assert torch.equal(answer.tensors[0], want) and torch.equal(torch.get_rng_state(), before)
     assert bytes_of(call) == x.nbytes  # the seed is no tensor: only the activation counts
+
+
+def test_a_backward_sent_with_the_next_call_runs_first_as_its_own_message_would_have():
+    torch.manual_seed(0)
+    x, g = torch.randn(4, 3), torch.randn(4, 2)
+    alone, queued = Pair("one"), Pair("one")
+    queued.load_state_dict(alone.state_dict())
+    got = {}
+    for module in (alone, queued):
+        live = _live(module)
+        _call(live, "enc", _call_of([x], Spread(1, ()), [False], 0))
+        then = _call_of([x * 2], Spread(1, ()), [False], 1)
+        if module is alone:  # the backward's own message, then the next call
+            assert _backward(live, "enc", 0, [g], []) == [None]
+        else:  # the backward queued: it travels among the next call's ops
+            before = bytes_of(then)
+            then = dataclasses.replace(then, ops=[Backward("enc", 0, [g], True)])
+            assert bytes_of(then) == before + g.nbytes
+        got[module] = (_call(live, "enc", then).tensors[0], module.lin.weight.grad.clone())
+    assert torch.equal(got[alone][0], got[queued][0])
+    assert torch.equal(got[alone][1], got[queued][1])
+    # one whose graph is gone raises in the call it travels with, as itself
+    freed = _call_of([x], Spread(1, ()), [False], 2)
+    answer = _call(_live(Pair("one")), "enc",
+                   dataclasses.replace(freed, ops=[Backward("enc", 5, [g], True)]))
+    assert isinstance(answer, Raised) and answer.name == "RuntimeError"
+    assert "graph was freed" in answer.message

@@ -68,21 +68,36 @@ def _settled_on(placed: Placed, device: str) -> torch.device:
     return dev
 
 
-def _state(live, name: str, ops: list) -> dict:
+def _state(live, name: str, ops: list) -> dict | Raised:
     """The module's weights and buffers, and its mirrors' states by parameter name, on
     the CPU, once ``ops`` are applied."""
     placed = live.catalog[name]
-    _apply(placed, ops)
+    try:
+        _apply(placed, ops)
+    except Exception as e:  # a queued backward's error, rebuilt there as its own type
+        return caught(e)
     names = {id(p): n for n, p in placed.module.named_parameters()}
     optim = {i: {names[id(p)]: on_cpu(st) for p, st in opt.state.items()}
              for i, opt in placed.mirrors.items()}
     return {"weights": on_cpu(placed.module.state_dict()), "optimizers": optim}
 
 
-def _weights(live, name: str, ops: list) -> dict:
+def _applied(live, name: str, ops: list) -> Raised | None:
+    """``ops`` applied, nothing read (what is queued, sent on its own)."""
+    try:
+        _apply(live.catalog[name], ops)
+    except Exception as e:  # a backward's error, rebuilt there as its own type
+        return caught(e)
+    return None
+
+
+def _weights(live, name: str, ops: list) -> dict | Raised:
     """The module's weights and buffers now (on the CPU), once ``ops`` are applied."""
     placed = live.catalog[name]
-    _apply(placed, ops)
+    try:
+        _apply(placed, ops)
+    except Exception as e:  # a queued backward's error, rebuilt there as its own type
+        return caught(e)
     return on_cpu(placed.module.state_dict())
 
 
@@ -253,44 +268,62 @@ def _backward(live, name: str, call: int, grads: list, ops: list, accumulate: bo
     try:
         placed = live.catalog[name]
         _apply(placed, ops)  # a zero_grad between the forward and this backward
-        got = placed.kept.get(call)
-        if got is None:
-            raise RuntimeError(
-                f"a backward reached {name!r} for a call whose graph was freed: call "
-                ".backward(retain_graph=True) the first time to go through it again")
-        leaves, outs = got
-        create = then is not None
-        device = outs[0].device if outs else None
-        given = [None if g is None else g.to(device) for g in grads]
-        if create:
-            given = [g.detach().requires_grad_() if ask and g is not None else g
-                     for g, ask in zip(given, asks, strict=True)]
-        pairs = [(o, g) for o, g in zip(outs, given, strict=True)
-                 if g is not None and o.requires_grad]
-        wanted = [leaf for leaf in leaves if leaf is not None]
-        back: list = [None] * len(wanted)
-        if pairs:
-            with span(f"backward {name}", "node"), torch.set_grad_enabled(create):
-                o, g = [o for o, _ in pairs], [g for _, g in pairs]
-                if accumulate:  # the weights' .grad too; the arguments' read and let go
-                    for leaf in wanted:
-                        leaf.grad = None
-                    torch.autograd.backward(o, g, retain_graph=True, create_graph=create)
-                    back = [leaf.grad for leaf in wanted]
-                    for leaf in wanted:
-                        leaf.grad = None
-                elif wanted:
-                    back = list(torch.autograd.grad(o, wanted, g, retain_graph=True,
-                                                    create_graph=create, allow_unused=True))
-        it = iter(back)
-        back = [None if leaf is None else next(it) for leaf in leaves]
-        if not create:
-            return [None if b is None else b.cpu() for b in back]
-        kept_outs = [b for b in back if b is not None]
-        if any(t.requires_grad for t in kept_outs):
-            placed.kept[then] = ([g if ask else None for g, ask in zip(given, asks, strict=True)]
-                                 + wanted, kept_outs)
-        return ([None if b is None else b.detach().cpu() for b in back],
-                [b is not None and b.requires_grad for b in back])
+        return _backward_through(placed, name, call, grads, accumulate, then, asks)
     except Exception as e:
         return caught(e)
+
+
+class Backward:
+    """A backward whose gradients nobody here waits for (no argument of the call needs
+    one): it goes with the next message, done over there before what follows it (as the
+    optimizer's step, queued after it, is), so a step sends one message, not two."""
+
+    def __init__(self, name: str, call: int, grads: list, accumulate: bool):
+        self.name, self.call, self.grads, self.accumulate = name, call, grads, accumulate
+
+    def apply(self, placed: Placed) -> None:
+        # raised, it is the message's: the next call answers Raised, rebuilt here
+        _backward_through(placed, self.name, self.call, self.grads, self.accumulate)
+
+
+def _backward_through(placed: Placed, name: str, call: int, grads: list, accumulate: bool,
+                      then: int | None = None, asks: list | None = None) -> Any:
+    got = placed.kept.get(call)
+    if got is None:
+        raise RuntimeError(
+            f"a backward reached {name!r} for a call whose graph was freed: call "
+            ".backward(retain_graph=True) the first time to go through it again")
+    leaves, outs = got
+    create = then is not None
+    device = outs[0].device if outs else None
+    given = [None if g is None else g.to(device) for g in grads]
+    if create:
+        given = [g.detach().requires_grad_() if ask and g is not None else g
+                 for g, ask in zip(given, asks, strict=True)]
+    pairs = [(o, g) for o, g in zip(outs, given, strict=True)
+             if g is not None and o.requires_grad]
+    wanted = [leaf for leaf in leaves if leaf is not None]
+    back: list = [None] * len(wanted)
+    if pairs:
+        with span(f"backward {name}", "node"), torch.set_grad_enabled(create):
+            o, g = [o for o, _ in pairs], [g for _, g in pairs]
+            if accumulate:  # the weights' .grad too; the arguments' read and let go
+                for leaf in wanted:
+                    leaf.grad = None
+                torch.autograd.backward(o, g, retain_graph=True, create_graph=create)
+                back = [leaf.grad for leaf in wanted]
+                for leaf in wanted:
+                    leaf.grad = None
+            elif wanted:
+                back = list(torch.autograd.grad(o, wanted, g, retain_graph=True,
+                                                create_graph=create, allow_unused=True))
+    it = iter(back)
+    back = [None if leaf is None else next(it) for leaf in leaves]
+    if not create:
+        return [None if b is None else b.cpu() for b in back]
+    kept_outs = [b for b in back if b is not None]
+    if any(t.requires_grad for t in kept_outs):
+        placed.kept[then] = ([g if ask else None for g, ask in zip(given, asks, strict=True)]
+                             + wanted, kept_outs)
+    return ([None if b is None else b.detach().cpu() for b in back],
+            [b is not None and b.requires_grad for b in back])
