@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from somatize import Refused
-from somatize.torch.cache._per_item import CHUNK, PerItemForward
+from somatize import Done, GraphError, Node, Refused
+from somatize.torch.cache._per_item import CHUNK, PerItemForward, _nodes, mapped_counts
 
 torch.manual_seed(0)
 MLP = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 6)).eval().requires_grad_(False)
@@ -215,3 +215,42 @@ def test_a_keeper_of_ones_own_holds_items_through_its_items_method(tmp_path):
     with pytest.raises(Refused, match=r"'body' is kept per item.*offering rows through "
                                       r"items\(\).*a NoRows is neither"):
         PerItemForward(copy.deepcopy(MLP), "body", NoRows(tmp_path / "none"))
+
+
+class Rows(Node):
+    """A graph node around a module (rows that depend on the batch, or not)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def forward(self, x, ctx):
+        return Done(self.module(x))
+
+
+def test_on_the_graph_route_mapped_exact_refuses_rows_that_depend_on_the_batch(tmp_path):
+    from somatize import Graph
+    from somatize.torch import freeze
+
+    sized = freeze(Graph.somatize(Rows(BatchSized()).frozen().cached().mapped(exact=True)))
+    with pytest.raises(Refused, match=r"'rows' is kept per item with exact=True, but its rows "
+                                      r"depend on the batch they are computed in: in this "
+                                      r"batch of 7 rows, rows \[0, 1"):
+        sized.forward(X[:7], store=str(tmp_path / "a"))
+    loose = freeze(Graph.somatize(Rows(BatchSized()).frozen().cached().mapped()))
+    got = loose.forward(X[:7], store=str(tmp_path / "b"))  # without exact: as in a chunk
+    assert torch.equal(got, X[:7] * CHUNK) and not torch.equal(got, X[:7] * 7)
+    with pytest.raises(GraphError, match=r"Rows.mapped\(exact='yes'\): exact is True or False"):
+        Rows(Scaled()).mapped(exact="yes")
+
+
+def test_on_the_graph_route_mapped_exact_serves_what_a_run_without_the_store_gives(tmp_path):
+    from somatize import Graph
+    from somatize.torch import freeze
+
+    g = freeze(Graph.somatize(Rows(Scaled()).frozen().cached().mapped(exact=True)))
+    for i in range(0, 40, 7):
+        assert torch.equal(g.forward(X[i:i + 7], store=str(tmp_path)), X[i:i + 7] * 1.5)
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(4))[:13]
+    assert torch.equal(g.forward(X[order], store=str(tmp_path)), X[order] * 1.5)
+    items = _nodes[g.catalog["rows"]].values()
+    assert all(i.exact for i in items) and mapped_counts(g) == (13, 40)

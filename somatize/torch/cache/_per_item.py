@@ -330,6 +330,7 @@ def answer_mapped(graph, n: str, node: Any, x: Any, keeper: Any, run) -> tuple[A
     item = mine.get(id(keeper))
     if item is None:
         item = mine[id(keeper)] = PerItem(n, kind_of(node), keeper, graph.memory.cached.get(n))
+    item.exact = bool(getattr(node, "_soma_exact", False))  # .mapped(exact=True)
     wrapped = isinstance(x, Opaque)
     opaque = []
 
