@@ -195,6 +195,7 @@ class Index:
         self.segments: dict[str, Segment | None] = {}  # by file name; None: unreadable
         self.small: dict[bytes, tuple[Segment, int]] = {}  # key -> its segment, record
         self.big: list[Segment] = []
+        self.generation = 0  # counts the refreshes that found segments new or gone
 
     def _list(self) -> list[str]:
         try:
@@ -250,6 +251,7 @@ class Index:
             self.small.update(zip((ks[i * KEY:(i + 1) * KEY] for i in range(s.n)),
                                   zip(repeat(s), range(s.n)), strict=True))
         if gone or new:  # newest first: the first that holds a key answers for it
+            self.generation += 1
             self.big = sorted((s for s in self.segments.values() if s is not None
                                and s.n > SMALL), key=lambda s: s.order, reverse=True)
 
@@ -266,9 +268,11 @@ class Index:
                      "names it; delete it to stop this warning")
             return None
 
-    def lookup(self, keys: Sequence[bytes]) -> list[Loc | None]:
-        """Each key's ``Loc`` or None, in order: one pass over the batch."""
-        self.refresh()
+    def lookup(self, keys: Sequence[bytes], refresh: bool = True) -> list[Loc | None]:
+        """Each key's ``Loc`` or None, in order: one pass over the batch (``refresh``:
+        the directory listed first; False where the caller just did)."""
+        if refresh:
+            self.refresh()
         small, big = self.small, self.big
         out = []
         for k in keys:

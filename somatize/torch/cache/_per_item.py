@@ -140,8 +140,10 @@ class PerItem:
             return run(x), True
         n = x.shape[0]
         keys = item_keys(space.key, x)
-        locs = space.lookup(keys)
-        rows = space.read(keys, locs) if any(loc is not None for loc in locs) else None
+        rows = space.served(keys)  # the epochs after the first: all of them, at once
+        if rows is None:
+            locs = space.lookup(keys)
+            rows = space.read(keys, locs) if any(loc is not None for loc in locs) else None
         ok = rows.ok if rows is not None else [False] * n
         nhit = sum(ok)
         if nhit == n:  # the epochs after the first: no miss to sort out
@@ -173,6 +175,8 @@ class PerItem:
             dev = self.device or device or x.device
         self.row = self.rows_of[layout]
         result = torch.empty((n, *self.row), dtype=dtype, device=dev)
+        if hit and rows.codes is not None:
+            _gather(result, rows, dtype)
         for buf, slots, at in rows.parts if hit else ():  # a pack's rows at once
             src = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(-1, *rows.row)
             result[torch.tensor(slots, device=dev)] = src[torch.tensor(at)].to(dev)
@@ -252,6 +256,17 @@ class PerItem:
         if layout is not None:
             self.rows_of[layout] = row
         return out
+
+
+def _gather(result: torch.Tensor, rows: Any, dtype: torch.dtype) -> None:
+    """Fill ``result`` with rows served from the arena (``rows.codes``: the row of each
+    slot there) in one ``index_select``."""
+    at = torch.frombuffer(rows.codes, dtype=torch.int64)
+    src = torch.frombuffer(rows.arena, dtype=torch.uint8).view(dtype).view(-1, *rows.row)
+    if result.device.type == "cpu":
+        torch.index_select(src, 0, at, out=result)
+    else:
+        result.copy_(src.index_select(0, at))
 
 
 def _given(n: int) -> str:
