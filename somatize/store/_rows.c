@@ -65,23 +65,33 @@ static inline __attribute__((always_inline)) void compress(v32 cv[8], const v32 
 static inline void load(v32 m[16], const uint8_t *const rows[LANES], size_t at, size_t len) {
 #ifdef __AVX512F__
     if (len == 64 && LANES == 16) {
-        /* the lanes' rows lie at offsets from the first that fit an int: one gather a word */
-        int32_t idx[16];
-        int ok = 1;
-        for (int l = 0; l < 16; l++) {
-            ptrdiff_t d = rows[l] - rows[0];
-            if (d < 0 || d > 0x7fffff00) ok = 0;
-            idx[l] = (int32_t)d;
+        /* 16 rows' blocks loaded, then transposed (16 x 16 words) by unpacks and shuffles */
+        __m512i r[16], t[16], u[16];
+        for (int l = 0; l < 16; l++) r[l] = _mm512_loadu_si512((const void *)(rows[l] + at));
+        for (int k = 0; k < 8; k++) {
+            t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+            t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
         }
-        if (ok) {
-            __m512i vi = _mm512_loadu_si512(idx);
-            const uint8_t *base = rows[0] + at;
-            for (int i = 0; i < 16; i++) {
-                __m512i g = _mm512_i32gather_epi32(vi, (const void *)(base + 4 * i), 1);
-                memcpy(&m[i], &g, 64);
-            }
-            return;
+        for (int k = 0; k < 4; k++) {
+            u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+            u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+            u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+            u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
         }
+        /* u[4k + j], 128-bit lane L: word 4L + j of rows 4k .. 4k + 3 */
+        for (int j = 0; j < 4; j++) {
+            __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
+            __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+            __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+            __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+            __m512i w0 = _mm512_shuffle_i32x4(v0, v2, 0x88), w1 = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+            __m512i w2 = _mm512_shuffle_i32x4(v1, v3, 0x88), w3 = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+            memcpy(&m[j], &w0, 64);
+            memcpy(&m[4 + j], &w1, 64);
+            memcpy(&m[8 + j], &w2, 64);
+            memcpy(&m[12 + j], &w3, 64);
+        }
+        return;
     }
 #endif
     uint32_t w[LANES][16];
