@@ -46,6 +46,7 @@ KEY = 16
 SMALL = 1 << 16  # records: a segment this small is folded into the reader's dict
 MERGE_SMALL = 16  # this many small segments are compacted into one
 MERGE_BIG = 4
+_RACY = 3_000_000_000  # ns: a folder changed this recently is listed at every refresh
 
 
 class Loc(NamedTuple):
@@ -196,6 +197,7 @@ class Index:
         self.small: dict[bytes, tuple[Segment, int]] = {}  # key -> its segment, record
         self.big: list[Segment] = []
         self.generation = 0  # counts the refreshes that found segments new or gone
+        self._listed: tuple | None = None  # the folder's stat when last listed
 
     def _list(self) -> list[str]:
         try:
@@ -213,7 +215,18 @@ class Index:
 
         A segment listed but gone before it is read was compacted away meanwhile: the
         merged one was named before it went, so the directory is listed again, and the
-        records are found there (a view that lacks both is never used)."""
+        records are found there (a view that lacks both is never used). Not listed again
+        while the folder's stat is what it was at the last listing, and that is older than
+        ``_RACY`` (a name added within a coarse mtime's tick is listed)."""
+        try:
+            st = os.stat(self.folder)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size, st.st_nlink)
+        except OSError:
+            stamp = None
+        if stamp is not None and stamp == self._listed \
+                and time.time_ns() - stamp[1] > _RACY:
+            return  # asked at every batch: one stat, no listing
+        self._listed = stamp
         gone: set[str] = set()
         new: list[str] = []
         for _ in range(100):  # each pass that finds one vanished follows a compaction
