@@ -9,7 +9,7 @@ a lightning.Trainer on a shuffling DataLoader.
 
 1. A cached epoch (epoch 2 on: every item is a hit) with ``SomatizeCache(per_item=True)``,
    against the same head trained on features precomputed by hand (target: <= 1.3x), the
-   two fitted in turn (3 fits each, epochs 2 on); the input's hashing (per-item keys of
+   two fitted in turn (5 fits each, epochs 2 on); the input's hashing (per-item keys of
    the 40 batches) reported apart.
 2. Per-item keys for a batch (256 keys, one native call: somatize/store/_rows.c) against
    the whole-batch key of the same batch (target: <= 1.2x).
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     root = Path(tempfile.mkdtemp(prefix="bench_items_"))
     try:
-        ratio = bench_epoch(root, 3 if args.quick else 4, 2 if args.quick else 3)
+        ratio = bench_epoch(root, 3 if args.quick else 4, 2 if args.quick else 5)
         keys = bench_keys(3 if args.quick else 7)
         per_s = bench_index(root, args.items)
     finally:

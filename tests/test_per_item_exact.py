@@ -47,6 +47,28 @@ def test_an_items_value_does_not_depend_on_the_batch_it_came_in(tmp_path):
     assert torch.equal(a(X[order[:13]]), got_a[order[:13]]) and a.forward.item.hits == 13
 
 
+torch.manual_seed(0)  # wider: on oneDNN/MKL here, rows in a batch of 7 and of 8 differ
+WIDE = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).eval().requires_grad_(False)
+XW = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
+
+
+def test_rows_whose_value_depends_on_the_batch_size_are_served_alike_from_any_batch(tmp_path):
+    import copy
+
+    a = per_item(copy.deepcopy(WIDE), tmp_path / "a")
+    b = per_item(copy.deepcopy(WIDE), tmp_path / "b")
+    got_a = torch.cat([a(XW[i:i + 7]) for i in range(0, 40, 7)])  # a last smaller batch of 5
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(1))
+    got_b = torch.empty_like(got_a)
+    for i in range(0, 40, 8):
+        got_b[order[i:i + 8]] = b(XW[order[i:i + 8]])
+    assert torch.equal(got_a, got_b) and torch.equal(got_a, in_a_chunk(WIDE, XW))
+    twice = XW[[3, 3, 17, 3]]  # oversampled: one item twice in a batch, and kept already
+    assert torch.equal(b(twice), got_a[[3, 3, 17, 3]])
+    fresh = per_item(copy.deepcopy(WIDE), tmp_path / "c")
+    assert torch.equal(fresh(twice), got_a[[3, 3, 17, 3]])  # computed anew: the same rows
+
+
 class BatchSized(nn.Module):
     """Rows that depend on the batch: nothing a coupling check sees."""
 
