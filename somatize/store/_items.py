@@ -249,9 +249,9 @@ class Space:
         return rows
 
     def _hold(self, name: str) -> bool:
-        """Open, check and copy a pack's rows into the arena (chunks of rows held in
-        memory, so a batch gathers its hits from one or two buffers); False when it
-        cannot be held (not checked out, too big, another layout, over the budget)."""
+        """Open, check and copy a pack's rows into the arena (one buffer of rows held in
+        memory, so a batch gathers its hits at once); False when it cannot be held (not
+        checked out, too big, another layout, over the budget)."""
         pack = self._pack(name)
         if pack is None or pack.n * pack.row_bytes > _HOLD_PACK:
             return False
