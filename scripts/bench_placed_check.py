@@ -55,7 +55,7 @@ def look_cost(module: torch.nn.Module, n: int = 2000) -> float:
 
 def walk_cost(module: torch.nn.Module, x: torch.Tensor, n: int = 200) -> float:
     """Microseconds per ``fans`` walk of one call's graph (median of 7 runs)."""
-    from somatize.torch.placed._there import fans
+    from somatize.torch.placed._fans import fans
 
     leaf = x.detach().requires_grad_()
     out = module(leaf)

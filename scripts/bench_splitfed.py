@@ -1,7 +1,7 @@
 """One owner-step over a study's link (gRPC, mutual TLS, typed frames, to a ``somatize
 hub`` on loopback) against the same step on today's placed route (torch.distributed.rpc
-to a local worker), side by side in one run: the same U-shaped LightningModule, its
-trunk placed with ``place={"trunk": study.shared}`` or ``place={"trunk": "worker"}``.
+to a local worker; and with ``Worker(rng="derived")``, no RNG state sent), side by side in
+one run: the same U-shaped LightningModule, its trunk placed with ``place={"trunk": study.shared}`` or ``place={"trunk": "worker"}``.
 
     python scripts/bench_splitfed.py                  # 5 alternations of 30 steps each
     python scripts/bench_splitfed.py --repeats 7 --steps 40 --width 1024 --batch 256
@@ -32,6 +32,7 @@ from torch import nn  # noqa: E402
 from somatize.fed import Study  # noqa: E402
 from somatize.fed._certs import issue, make_ca  # noqa: E402
 from somatize.lightning import SomatizeStrategy  # noqa: E402
+from somatize.remote import Worker  # noqa: E402
 
 
 class Net(pl.LightningModule):
@@ -60,14 +61,15 @@ class Clock(pl.Callback):
         self.times.append(time.perf_counter() - self.t0)
 
 
-def fit(place, args) -> float:
+def fit(place, args, workers=None) -> float:
     torch.manual_seed(0)
     n = args.steps * args.batch
     x, y = torch.randn(n, 64), torch.randint(0, 10, (n,))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
                                          batch_size=args.batch)
     clock = Clock()
-    trainer = pl.Trainer(max_epochs=1, strategy=SomatizeStrategy(place=place), logger=False,
+    trainer = pl.Trainer(max_epochs=1, strategy=SomatizeStrategy(place=place, workers=workers),
+                         logger=False,
                          enable_progress_bar=False, enable_model_summary=False,
                          enable_checkpointing=False, callbacks=[clock])
     trainer.fit(Net(args.width), loader)
@@ -102,20 +104,23 @@ def main() -> int:
         while not (d / "port").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         address = f"127.0.0.1:{(d / 'port').read_text()}"
-        study_ms, placed_ms = [], []
+        study_ms, placed_ms, derived_ms = [], [], []
+        derived = {"worker": Worker.embedded(rng="derived")}
         for r, t in enumerate(tomls):  # the two sides alternate
             study = Study(t, hub=address, owner="owner", identity=d / "owner.pem",
                           ca=d / "ca.pem")
             placed_ms.append(fit({"trunk": "worker"}, args))
+            derived_ms.append(fit({"trunk": "worker"}, args, derived))
             study_ms.append(fit({"trunk": study.shared}, args))
-            print(f"repeat {r}: placed route {placed_ms[-1]:.2f} ms/step, study link "
-                  f"{study_ms[-1]:.2f} ms/step", flush=True)
+            print(f"repeat {r}: placed route {placed_ms[-1]:.2f} ms/step (no RNG state sent: "
+                  f"{derived_ms[-1]:.2f}), study link {study_ms[-1]:.2f} ms/step", flush=True)
     finally:
         hub.terminate()
         hub.wait(10)
     s, p = statistics.median(study_ms), statistics.median(placed_ms)
     print(f"width {args.width}, batch {args.batch}: study link {s:.2f} ms/step, placed route "
-          f"{p:.2f} ms/step, ratio {s / p:.2f} (median of {args.repeats}); load {os.getloadavg()}")
+          f"{p:.2f} ms/step (rng='derived': {statistics.median(derived_ms):.2f}), ratio "
+          f"{s / p:.2f} (median of {args.repeats}); load {os.getloadavg()}")
     return 0
 
 

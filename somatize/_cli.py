@@ -20,8 +20,9 @@ USAGE = """usage: somatize {show,store,worker,hub,fed} ... | --version
                         serve as a standing worker
   hub --study FILE --listen HOST:PORT --identity PEM --ca PEM [--checkpoints DIR]
                         serve studies' shared modules to their data owners
-  fed {ca DIR, cert DIR NAME...}
-                        a study's certificate authority and its parties' certificates
+  fed {ca DIR, cert DIR NAME..., export CHECKPOINTS STUDY --shared PATH --out FILE}
+                        a study's certificate authority and its parties' certificates;
+                        a round exported as a plain state_dict of the whole model
 """
 
 

@@ -31,7 +31,7 @@ class Node:
     """A piece of a graph: ``forward(x, ctx)`` returns ``Done(value)``.
 
     Declarations chain and return the node: ``.at(host)``, ``.frozen()``,
-    ``.cached(salt=None)``, ``.mapped()``, ``.named(id)``. Subclasses need not call
+    ``.cached(salt=None)``, ``.mapped(exact=False)``, ``.named(id)``. Subclasses need not call
     ``super().__init__()``: every declaration has a class-level default.
     """
 
@@ -40,6 +40,7 @@ class Node:
     _soma_cached: bool = False
     _soma_salt: str | None = None
     _soma_mapped: bool = False
+    _soma_exact: bool = False
     _soma_name: str | None = None
 
     def forward(self, x: Any, ctx: Ctx):
@@ -65,10 +66,15 @@ class Node:
         self._soma_salt = salt
         return self
 
-    def mapped(self) -> Node:
+    def mapped(self, exact: bool = False) -> Node:
         """Declare that each output row depends only on its input row (along dim 0): a
-        ``.cached()`` node is then kept and looked up item by item, so shuffled batches hit."""
+        ``.cached()`` node is then kept and looked up item by item, so shuffled batches hit.
+        ``exact=True``: refuse where a kept row would differ from what computing its batch
+        as it came gives (docs/per-item.md), at the cost of a second forward of a miss."""
+        if not isinstance(exact, bool):
+            raise GraphError(f"{kind_of(self)}.mapped(exact={exact!r}): exact is True or False")
         self._soma_mapped = True
+        self._soma_exact = exact
         return self
 
     def named(self, id: str) -> Node:

@@ -28,7 +28,8 @@ FIRST = ["test_remote.py", "test_placed_optimizers.py", "test_dropin.py", "test_
 # rest run in-process: `bash scripts/test.sh -m "not processes"` is the fast loop. A test
 # outside these files that starts one fails (pytest_runtest_makereport), naming this list.
 PROCESSES = {
-    "test_cache.py", "test_cache_faithful.py", "test_describe.py", "test_docs.py",
+    "test_cache.py", "test_cache_faithful.py", "test_cache_rows.py", "test_describe.py",
+    "test_docs.py",
     "test_dropin.py",
     "test_dropin_cache.py", "test_faults.py", "test_fed_hosts.py", "test_fed_study.py",
     "test_forks.py", "test_gpu_check.py", "test_graph_optimizers.py",
@@ -60,6 +61,9 @@ sys.addaudithook(_count_starts)
 def pytest_configure(config):
     config.addinivalue_line("markers", "processes: starts worker or script processes "
                             "(the fast loop is -m 'not processes')")
+    from somatize.store import _rows
+
+    _rows.native()  # built (a compiler process) before any test: no test is seen starting it
 
 
 def pytest_collection_modifyitems(config, items):

@@ -82,7 +82,13 @@ def fit(a, s, hub, name, kills, epochs, resume):
     keep = s == (a.then or ":").split(":")[0]  # only what resumes writes checkpoints
     ckpt = pl.callbacks.ModelCheckpoint(dirpath=out / f"ckpt-{s}-{name}", save_last=True,
                                         save_top_k=0)
-    trainer = pl.Trainer(max_epochs=epochs.get(s, cfg.rounds or 2),
+    length = {"max_epochs": epochs.get(s, cfg.rounds or 2)}
+    if cfg.round_steps:  # rounds of N steps: a checkpoint at each round's end
+        length = {"max_epochs": -1, "max_steps": cfg.rounds * cfg.round_steps}
+        keep, ckpt = True, pl.callbacks.ModelCheckpoint(
+            dirpath=out / f"ckpt-{s}-{name}", every_n_train_steps=cfg.round_steps,
+            save_top_k=-1, filename="{step}")
+    trainer = pl.Trainer(**length,
                          strategy=SomatizeStrategy(place={"trunk": study.shared}),
                          logger=False, enable_progress_bar=False,
                          enable_model_summary=False,

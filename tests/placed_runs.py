@@ -21,6 +21,7 @@ from torch.nn import functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from dropin_models import digits, fit  # noqa: E402
+from placed_derived_runs import derived  # noqa: E402, F401 (a case of many)
 
 from somatize.lightning import SomatizeStrategy  # noqa: E402
 

@@ -111,6 +111,52 @@ def test_simulated_v1_equals_fedavg_of_plain_lightning_fits():
     assert all(torch.equal(want[f"trunk.{k}"], v) for k, v in sim.trunk.items())
 
 
+def _plain_fedavg_steps(cfg, owners, rounds, n):
+    """FedAvg of whole models trained in plain PyTorch, every ``n`` steps of each owner
+    (its batches in order across epochs), weighted by the rows of the round."""
+    torch.manual_seed(owner_seed(owners[0]))
+    start = make_net(cfg).state_dict()
+    models, opts, batches = {}, {}, {}
+    for o in owners:
+        models[o] = make_net(cfg)
+        models[o].load_state_dict(start)
+        opts[o] = models[o].configure_optimizers()
+        batches[o] = [b for _ in range(rounds * n) for b in owner_loader(o)][:rounds * n]
+    for r in range(rounds):
+        rows = {}
+        for o in owners:
+            for x, y in batches[o][r * n:(r + 1) * n]:
+                opts[o].zero_grad()
+                models[o].training_step((x, y), 0).backward()
+                opts[o].step()
+                rows[o] = rows.get(o, 0) + len(x)
+        avg = average({o: m.state_dict() for o, m in models.items()}, rows)
+        for m in models.values():
+            m.load_state_dict(avg)
+    return models
+
+
+def test_rounds_of_n_steps_span_epochs_and_simulate_equals_fedavg_every_n_steps():
+    cfg = StudyConfig.load({**STUDY, "round_steps": 2})
+    assert cfg.digest() != StudyConfig.load(STUDY).digest()
+    assert StudyConfig.load(STUDY).described().get("round_steps") is None  # digests kept
+    with pytest.raises(Refused, match="round_steps"):
+        StudyConfig.load({**STUDY, "round_steps": -1})
+    owners = {o: ((lambda: make_net(cfg)), owner_loader(o)) for o in "abc"}
+    sim = simulate(owners, cfg, rounds=3, seeds={o: owner_seed(o) for o in "abc"})
+    # a has 3 batches an epoch, c one: their rounds cross the epochs' ends
+    assert [e["owner"] for e in sim.ledger if e["kind"] == "step"] == (
+        ["a", "a", "b", "b", "c", "c"] * 3)
+    want = _plain_fedavg_steps(cfg, list("abc"), rounds=3, n=2)["a"].state_dict()
+    for o in "abc":
+        got = sim.own_state(o, "trunk")
+        assert got and all(torch.equal(want[k], v) for k, v in got.items())
+    assert all(torch.equal(want[f"trunk.{k}"], v) for k, v in sim.trunk.items())
+    epochs = simulate(owners, StudyConfig.load(STUDY), rounds=3,
+                      seeds={o: owner_seed(o) for o in "abc"})
+    assert not all(torch.equal(epochs.trunk[k], v) for k, v in sim.trunk.items())
+
+
 def test_v2_depends_on_the_order_and_replay_follows_the_ledger():
     cfg = StudyConfig.load({**STUDY, "schedule": "v2", "order": "round_robin",
                             "kwargs": {"p": 0.5}})

@@ -40,14 +40,15 @@ STUDIES = {
     "dropv2": {"owners": ["a", "b", "c2"], "schedule": "v2", "order": "arrival",
                "quorum": 2, "turn_timeout": 3.0, "round_timeout": 300.0},
     "res": {"owners": ["a", "b"], "schedule": "v1", "rounds": 4},
+    "steps": {"owners": ["a", "b", "c"], "schedule": "v1", "round_steps": 2, "rounds": 2},
 }
 RUNS = {  # each owner's process: its studies in order, and what happens to it; "res"
     # stops after round 2 of 4 and resumes once the hub is back (RESUME holds its address)
-    "a": ["v1", "arr", "rr", "rr2", "dropv1", "dropv2", "res", "--delays", "arr",
+    "a": ["v1", "steps", "arr", "rr", "rr2", "dropv1", "dropv2", "res", "--delays", "arr",
           "--epochs", "res:2", "--then", "res:{resume}"],
-    "b": ["one1", "v1", "arr", "rr", "rr2", "dropv1", "dropv2", "res", "--delays", "arr",
+    "b": ["one1", "v1", "steps", "arr", "rr", "rr2", "dropv1", "dropv2", "res", "--delays", "arr",
           "--epochs", "res:2", "--then", "res:{resume}"],
-    "c": ["one2", "v1", "arr", "rr", "rr2", "dropv1", "--delays", "arr",
+    "c": ["one2", "v1", "steps", "arr", "rr", "rr2", "dropv1", "--delays", "arr",
           "--kill", "dropv1:1:0"],
     "c2": ["dropv2", "--kill", "dropv2:1:0"],
 }
@@ -363,3 +364,68 @@ def test_every_party_stops_after_round_2_of_4_and_resumes_to_the_straight_result
     _same(trunk, straight.trunk)
     for o in "ab":
         _same(_run(d, "res", o)["state"], straight.own_state(o, "trunk"))
+
+
+def test_v1_in_rounds_of_two_steps_equals_its_simulation_at_every_barrier(study):
+    # round_steps = 2: a's second round crosses its epoch's end (3 batches an epoch), c's
+    # rounds span two epochs (1 batch each); the hub's checkpoint of each barrier, and each owner's
+    # Lightning checkpoint of that step, hold what the simulation holds after that round
+    d = study["dir"]
+    cfg = _cfg(d, "steps")
+    for r in (1, 2):
+        sim = simulate(_owners(cfg), cfg, rounds=r, seeds=_seeds(cfg))
+        trunk, ledger = load_round(d / "ck", "steps", round=r)
+        _same(trunk, sim.trunk)
+        assert [e["rows"] for e in ledger if e["kind"] == "average"] == [
+            {"a": 16, "b": 16, "c": 16}] * r
+        for o in "abc":
+            ck = torch.load(d / f"ckpt-steps-{o}" / f"step={2 * r}.ckpt", weights_only=False)
+            assert ck["somatize"]["study"]["round"] == r
+            _same({k: v for k, v in ck["state_dict"].items() if not k.startswith("trunk.")},
+                  sim.own_state(o, "trunk"))
+    for o in "abc":
+        _same(_run(d, "steps", o)["state"], sim.own_state(o, "trunk"))
+
+
+def test_a_round_exports_as_a_plain_state_dict_that_loads_without_somatize(study, tmp_path,
+                                                                          capsys):
+    # somatize fed export: the shared module and the round's FedAvg of the parts, one
+    # plain state_dict (torch.load(weights_only=True) takes tensors in plain containers
+    # only: nothing of somatize in it); it loads into the LightningModule, strict, and
+    # equals FedAvg of three plain Lightning fits, at the last barrier and the first
+    import shutil
+
+    from safetensors.torch import save_file
+    from test_fed import _plain_fedavg
+
+    from somatize import Refused
+    from somatize.fed import export_round
+
+    d = study["dir"]
+    cfg = _cfg(d, "v1")
+    out = tmp_path / "v1.pt"
+    from somatize._cli import main
+
+    assert main(["fed", "export", str(d / "ck"), "v1", "--shared", "trunk", "--out",
+                 str(out)]) == 0  # the command's code, in this process
+    assert "entries of study 'v1'" in capsys.readouterr().out
+    assert main(["fed", "export", str(d / "ck"), "nope", "--shared", "trunk", "--out",
+                 str(out)]) == 1
+    assert "no checkpoint of study 'nope'" in capsys.readouterr().err
+    last, first = make_net(cfg), make_net(cfg)  # (plain LightningModules)
+    last.load_state_dict(torch.load(out, weights_only=True))
+    first.load_state_dict(export_round(d / "ck", "v1", "trunk", round=1))
+    _same(last.state_dict(), _plain_fedavg(cfg, list("abc"), rounds=2)["a"].state_dict())
+    _same(first.state_dict(), _plain_fedavg(cfg, list("abc"), rounds=1)["a"].state_dict())
+    trunk, _ = load_round(d / "ck", "v1")
+    _same({k[6:]: v for k, v in last.state_dict().items() if k.startswith("trunk.")}, trunk)
+    parts = {k: v for k, v in last.state_dict().items() if not k.startswith("trunk.")}
+    _same(parts, _run(d, "v1", "a")["state"])  # what each owner loaded at the barrier
+    # an average that is not the one the ledger names is refused, naming the file
+    shutil.copytree(d / "ck" / "v1", tmp_path / "ck" / "v1")
+    save_file({k: v + 1 for k, v in parts.items()},
+              str(tmp_path / "ck" / "v1" / "round-2" / "average.safetensors"))
+    with pytest.raises(Refused, match="average.safetensors is not the average the ledger"):
+        export_round(tmp_path / "ck", "v1", "trunk")
+    with pytest.raises(Refused, match="no barrier round-7"):
+        export_round(d / "ck", "v1", "trunk", round=7)

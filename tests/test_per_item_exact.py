@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from somatize import Refused
-from somatize.torch.cache._per_item import CHUNK, PerItemForward
+from somatize import Done, GraphError, Node, Refused
+from somatize.torch.cache._per_item import CHUNK, PerItemForward, _nodes, mapped_counts
 
 torch.manual_seed(0)
 MLP = nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 6)).eval().requires_grad_(False)
@@ -45,6 +45,28 @@ def test_an_items_value_does_not_depend_on_the_batch_it_came_in(tmp_path):
     assert torch.equal(got_a, in_a_chunk(MLP, X))  # what the docs say it is
     # and a hit is exactly what was kept
     assert torch.equal(a(X[order[:13]]), got_a[order[:13]]) and a.forward.item.hits == 13
+
+
+torch.manual_seed(0)  # wider: on oneDNN/MKL here, rows in a batch of 7 and of 8 differ
+WIDE = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 32)).eval().requires_grad_(False)
+XW = torch.randn(40, 64, generator=torch.Generator().manual_seed(3))
+
+
+def test_rows_whose_value_depends_on_the_batch_size_are_served_alike_from_any_batch(tmp_path):
+    import copy
+
+    a = per_item(copy.deepcopy(WIDE), tmp_path / "a")
+    b = per_item(copy.deepcopy(WIDE), tmp_path / "b")
+    got_a = torch.cat([a(XW[i:i + 7]) for i in range(0, 40, 7)])  # a last smaller batch of 5
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(1))
+    got_b = torch.empty_like(got_a)
+    for i in range(0, 40, 8):
+        got_b[order[i:i + 8]] = b(XW[order[i:i + 8]])
+    assert torch.equal(got_a, got_b) and torch.equal(got_a, in_a_chunk(WIDE, XW))
+    twice = XW[[3, 3, 17, 3]]  # oversampled: one item twice in a batch, and kept already
+    assert torch.equal(b(twice), got_a[[3, 3, 17, 3]])
+    fresh = per_item(copy.deepcopy(WIDE), tmp_path / "c")
+    assert torch.equal(fresh(twice), got_a[[3, 3, 17, 3]])  # computed anew: the same rows
 
 
 class BatchSized(nn.Module):
@@ -215,3 +237,42 @@ def test_a_keeper_of_ones_own_holds_items_through_its_items_method(tmp_path):
     with pytest.raises(Refused, match=r"'body' is kept per item.*offering rows through "
                                       r"items\(\).*a NoRows is neither"):
         PerItemForward(copy.deepcopy(MLP), "body", NoRows(tmp_path / "none"))
+
+
+class Rows(Node):
+    """A graph node around a module (rows that depend on the batch, or not)."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def forward(self, x, ctx):
+        return Done(self.module(x))
+
+
+def test_on_the_graph_route_mapped_exact_refuses_rows_that_depend_on_the_batch(tmp_path):
+    from somatize import Graph
+    from somatize.torch import freeze
+
+    sized = freeze(Graph.somatize(Rows(BatchSized()).frozen().cached().mapped(exact=True)))
+    with pytest.raises(Refused, match=r"'rows' is kept per item with exact=True, but its rows "
+                                      r"depend on the batch they are computed in: in this "
+                                      r"batch of 7 rows, rows \[0, 1"):
+        sized.forward(X[:7], store=str(tmp_path / "a"))
+    loose = freeze(Graph.somatize(Rows(BatchSized()).frozen().cached().mapped()))
+    got = loose.forward(X[:7], store=str(tmp_path / "b"))  # without exact: as in a chunk
+    assert torch.equal(got, X[:7] * CHUNK) and not torch.equal(got, X[:7] * 7)
+    with pytest.raises(GraphError, match=r"Rows.mapped\(exact='yes'\): exact is True or False"):
+        Rows(Scaled()).mapped(exact="yes")
+
+
+def test_on_the_graph_route_mapped_exact_serves_what_a_run_without_the_store_gives(tmp_path):
+    from somatize import Graph
+    from somatize.torch import freeze
+
+    g = freeze(Graph.somatize(Rows(Scaled()).frozen().cached().mapped(exact=True)))
+    for i in range(0, 40, 7):
+        assert torch.equal(g.forward(X[i:i + 7], store=str(tmp_path)), X[i:i + 7] * 1.5)
+    order = torch.randperm(40, generator=torch.Generator().manual_seed(4))[:13]
+    assert torch.equal(g.forward(X[order], store=str(tmp_path)), X[order] * 1.5)
+    items = _nodes[g.catalog["rows"]].values()
+    assert all(i.exact for i in items) and mapped_counts(g) == (13, 40)

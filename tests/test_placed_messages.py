@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from somatize import Graph
+from somatize import Graph, WorkerError
 from somatize._graph import Placement
 from somatize.remote._wire import bytes_of
 from somatize.torch._pickling import dumps
@@ -26,7 +26,7 @@ from somatize.torch.placed._messages import (
     pack,
     spread,
 )
-from somatize.torch.placed._there import Placed, _backward, _call
+from somatize.torch.placed._there import Backward, Placed, _backward, _call
 from somatize.torch.placed._tree import tree_flatten
 
 
@@ -133,3 +133,56 @@ def test_weights_are_copied_into_a_module_in_place_by_state_dict_key():
     restore(module, {"0.weight": torch.zeros(2, 3), "1.running_mean": torch.ones(2)})
     assert module[0].weight is weight and torch.equal(weight, torch.zeros(2, 3))
     assert torch.equal(module[1].running_mean, torch.ones(2))
+
+
+def test_a_worker_is_told_what_its_placed_randomness_draws_from_or_refused_naming_both():
+    from somatize.remote import Worker
+
+    assert Worker().rng == "sent" and Worker.at("h:1", rng="derived").rng == "derived"
+    assert Worker.embedded(rng="derived", rng_key="k").rng_key == "k"
+    with pytest.raises(WorkerError, match="say 'sent' .* or 'derived'"):
+        Worker(rng="derive")
+
+
+def test_a_call_with_a_seed_draws_from_it_over_there_and_sends_no_rng_state_back():
+    # Worker(rng="derived"): the Call carries an int seed, not this process's state; the
+    # worker's dropout draws from it, its own RNG is put back, and the Answer holds none
+    from somatize.torch._seeds import seeded
+
+    drop = torch.nn.Dropout(0.5)
+    x = torch.ones(4, 8)
+    with seeded(12345):
+        want = drop(x)
+    call = dataclasses.replace(_call_of([x], Spread(1, ()), [False]), rng=12345)
+    before = torch.get_rng_state()
+    answer = _call(_live(drop), "enc", call)
+    assert isinstance(answer, Answer) and answer.rng is None
+    assert torch.equal(answer.tensors[0], want) and torch.equal(torch.get_rng_state(), before)
+    assert bytes_of(call) == x.nbytes  # the seed is no tensor: only the activation counts
+
+
+def test_a_backward_sent_with_the_next_call_runs_first_as_its_own_message_would_have():
+    torch.manual_seed(0)
+    x, g = torch.randn(4, 3), torch.randn(4, 2)
+    alone, queued = Pair("one"), Pair("one")
+    queued.load_state_dict(alone.state_dict())
+    got = {}
+    for module in (alone, queued):
+        live = _live(module)
+        _call(live, "enc", _call_of([x], Spread(1, ()), [False], 0))
+        then = _call_of([x * 2], Spread(1, ()), [False], 1)
+        if module is alone:  # the backward's own message, then the next call
+            assert _backward(live, "enc", 0, [g], []) == [None]
+        else:  # the backward queued: it travels among the next call's ops
+            before = bytes_of(then)
+            then = dataclasses.replace(then, ops=[Backward("enc", 0, [g], True)])
+            assert bytes_of(then) == before + g.nbytes
+        got[module] = (_call(live, "enc", then).tensors[0], module.lin.weight.grad.clone())
+    assert torch.equal(got[alone][0], got[queued][0])
+    assert torch.equal(got[alone][1], got[queued][1])
+    # one whose graph is gone raises in the call it travels with, as itself
+    freed = _call_of([x], Spread(1, ()), [False], 2)
+    answer = _call(_live(Pair("one")), "enc",
+                   dataclasses.replace(freed, ops=[Backward("enc", 5, [g], True)]))
+    assert isinstance(answer, Raised) and answer.name == "RuntimeError"
+    assert "graph was freed" in answer.message

@@ -12,6 +12,7 @@ import threading
 
 import pytest
 import torch
+from oracle import exact as bits
 from scenario import scenario
 
 from somatize import WorkerError
@@ -21,7 +22,7 @@ from somatize.torch.placed._tree import tree_flatten, tree_unflatten
 RUNS = "placed_runs.py"
 pytestmark = pytest.mark.timeout(1500)  # one process runs every case (RPC starts once)
 CASES = ["outputs", "raises", "attributes", "side", "cache", "pickles", "readers", "compiled",
-         "shapes"]
+         "shapes", "derived"]
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +137,37 @@ def test_an_in_place_compile_of_a_placed_module_is_refused_naming_it(ran):
     said = ran("compiled")["said"]
     assert "encoder.2.compile() was called in place" in said and "worker 'w'" in said
     assert "Compile before placing it" in said
+
+
+def test_a_worker_of_another_organization_gets_no_rng_state_and_equals_its_oracle(ran):
+    # Worker(rng="derived"): dropout over there draws from HMAC(key, where the call
+    # stands); one piece with DerivedRNG draws the same: losses ==, weights torch.equal,
+    # validation ==, and the RNG state here ends the same (the shuffle drew from it)
+    got = ran("derived")
+    oracle, derived, sent, plain = got["oracle"], got["derived"], got["sent"], got["plain"]
+    assert len(oracle["losses"]) == 8 and derived["losses"] == oracle["losses"]
+    bits(oracle["weights"], derived["weights"])
+    assert derived["vals"] == oracle["vals"] and torch.equal(derived["rng"], oracle["rng"])
+    assert plain["losses"] != oracle["losses"]  # the dropout draws: the seeds decide
+    assert got["other_key"]["losses"] != oracle["losses"]  # and so does the key
+    assert sent["losses"] == plain["losses"]  # the default still sends the RNG state
+    bits(plain["weights"], sent["weights"])
+    # the wire: every Call carries an int seed and no RNG state, every Answer none back;
+    # the tensors are the activations, the outputs and their gradients, and the weights
+    # the epoch ends bring here; none is a uint8 RNG state (the audit sees one when sent)
+    audit = derived["audit"]
+    assert len(audit["calls"]) == len(audit["answers"]) == 12  # 8 steps, 4 validation
+    assert {c for c, _ in audit["calls"]} == {"int"}
+    assert {a for a, _ in audit["answers"]} == {"NoneType"}
+    assert {tuple(s) for _, s in audit["calls"]} == {((16, 64),)}
+    assert {tuple(s) for _, s in audit["answers"]} == {((16, 8),)}
+    shapes = {(16, 64), (16, 8), (32, 64), (32,), (8, 32), (8,)}
+    assert {(dt, shape) for dt, shape, _ in audit["tensors"]} == {
+        ("torch.float32", s) for s in shapes}
+    assert ("torch.uint8", (5056,), 5056) in sent["audit"]["tensors"]
+    calls = 2 * 4 + 2 + 2 * 2  # steps, the sanity check's and the epochs' validations
+    assert [a - b for a, b in zip(sent["traffic"], derived["traffic"], strict=True)] == [
+        5056 * calls] * 2
 
 
 # -- the walker, in this process ---------------------------------------------------------

@@ -12,9 +12,11 @@ from ._average import average
 from ._config import StudyConfig
 from ._frames import FrameError
 from ._link import HubRefused
-from ._replay import Run, load_round, replay, schedule, simulate
+from ._replay import Run, replay, schedule, simulate
+from ._rounds import export_round, load_round
 from ._seeds import generator_seed
 from ._study import Shared, Study, shared_place
 
 __all__ = ["FrameError", "HubRefused", "Run", "Shared", "Study", "StudyConfig", "average",
-           "generator_seed", "load_round", "replay", "schedule", "shared_place", "simulate"]
+           "export_round", "generator_seed", "load_round", "replay", "schedule",
+           "shared_place", "simulate"]

@@ -1,8 +1,9 @@
 """``somatize hub`` (serve studies' shared modules) and ``somatize fed`` (a study's
-certificates).
+certificates; a round exported as a plain state_dict).
 
     somatize fed ca pki/                          # the study's CA: pki/ca.pem, pki/ca.key
     somatize fed cert pki/ hub hospital-a hospital-b
+    somatize fed export /srv/somatize/fed ct-2027 --shared trunk --out ct-2027.pt
     somatize hub --study ct-2027.toml --listen 0.0.0.0:7443 --identity pki/hub.pem \\
         --ca pki/ca.pem --checkpoints /srv/somatize/fed
 """
@@ -55,10 +56,49 @@ def hub_main(argv: list[str]) -> int:
     return 0
 
 
+def export_main(argv: list[str]) -> int:
+    """Write a round barrier of a study as one plain state_dict of the whole model (the
+    shared module under --shared, the round's FedAvg of the owners' parts): it loads
+    into the LightningModule with torch.load and load_state_dict, without somatize."""
+    ap = argparse.ArgumentParser(prog="somatize fed export", description=export_main.__doc__)
+    ap.add_argument("checkpoints", help="the hub's --checkpoints directory")
+    ap.add_argument("study", help="the study's name")
+    ap.add_argument("--shared", required=True,
+                    help="the shared module's path in the owners' model (place= key)")
+    ap.add_argument("--round", type=int, help="the barrier before this round (default: latest)")
+    ap.add_argument("--out", required=True,
+                    help="FILE.pt (torch.save) or FILE.safetensors")
+    args = ap.parse_args(argv)
+    import torch
+
+    from .._errors import Refused
+    from ._rounds import export_round
+
+    try:
+        state = export_round(args.checkpoints, args.study, args.shared, args.round)
+    except Refused as e:
+        print(f"somatize fed export: {e}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if out.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file(state, str(out))
+    else:
+        torch.save(state, out)
+    print(f"{out}: {len(state)} entries of study {args.study!r} "
+          f"({sum(v.numel() for v in state.values())} numbers)")
+    return 0
+
+
 def fed_main(argv: list[str]) -> int:
-    """``ca DIR``: make a study's CA; ``cert DIR NAME...``: a certificate per party."""
+    """``ca DIR``: make a study's CA; ``cert DIR NAME...``: a certificate per party;
+    ``export CHECKPOINTS STUDY --shared PATH --out FILE``: a round as a state_dict."""
     from ._certs import issue, make_ca
 
+    if argv[:1] == ["export"]:
+        return export_main(argv[1:])
     if len(argv) >= 2 and argv[0] == "ca":
         d = make_ca(argv[1])
         print(f"study CA: {d / 'ca.pem'} (keep {d / 'ca.key'} offline)")
@@ -68,5 +108,6 @@ def fed_main(argv: list[str]) -> int:
         for name in argv[2:]:
             print(f"{name}: {issue(argv[1], name)}")
         return 0
-    print("usage: somatize fed ca DIR | somatize fed cert DIR NAME [NAME...]", file=sys.stderr)
+    print("usage: somatize fed ca DIR | somatize fed cert DIR NAME [NAME...] | somatize fed "
+          "export CHECKPOINTS STUDY --shared PATH --out FILE [--round R]", file=sys.stderr)
     return 2

@@ -31,7 +31,9 @@ class StudyConfig:
     turns, in ``order``); ``parts``: the owners' submodules FedAvg averages each round;
     ``quorum``: owners a round needs; timeouts in seconds; ``key``: the secret the
     shared module's seeds derive from (the name when not given); ``rounds``: how many
-    rounds the owners run (informational; each owner's ``max_epochs`` decides)."""
+    rounds the owners run (informational; each owner's ``max_epochs`` or ``max_steps``
+    decides); ``round_steps``: a round is that many owner-steps of each owner (its
+    batches in order across epochs), or, 0, an epoch."""
 
     name: str
     owners: tuple[str, ...]
@@ -49,6 +51,7 @@ class StudyConfig:
     turn_timeout: float = 30.0
     key: str | None = None
     rounds: int = 0  # how many rounds the owners run (0: as their fits say)
+    round_steps: int = 0  # a round is this many owner-steps of each owner; 0: an epoch
 
     def __post_init__(self):
         where = f"study {self.name!r}"
@@ -68,6 +71,9 @@ class StudyConfig:
             raise Refused(f"{where}: owners = {list(self.owners)}; name each owner once")
         if not 1 <= self.quorum <= len(self.owners):
             raise Refused(f"{where}: quorum = {self.quorum} of {len(self.owners)} owners")
+        if not isinstance(self.round_steps, int) or self.round_steps < 0:
+            raise Refused(f"{where}: round_steps = {self.round_steps!r}; say how many "
+                          "owner-steps a round is (0: a round is an epoch)")
         if "class" not in self.optimizer:
             raise Refused(f"{where}: optimizer = {dict(self.optimizer)}; name its class: "
                           "{class = 'torch.optim.SGD', lr = 0.1}")
@@ -99,10 +105,13 @@ class StudyConfig:
 
     def described(self) -> dict[str, Any]:
         """What defines the shared module and how it trains (what the digest covers)."""
-        return {"name": self.name, "module": self.module, "kwargs": dict(self.kwargs),
-                "init": self.init, "optimizer": dict(self.optimizer),
-                "schedule": self.schedule, "order": self.order, "parts": list(self.parts),
-                "owners": sorted(self.owners)}
+        got = {"name": self.name, "module": self.module, "kwargs": dict(self.kwargs),
+               "init": self.init, "optimizer": dict(self.optimizer),
+               "schedule": self.schedule, "order": self.order, "parts": list(self.parts),
+               "owners": sorted(self.owners)}
+        if self.round_steps:  # (epoch rounds keep the digests they had)
+            got["round_steps"] = self.round_steps
+        return got
 
     def digest(self) -> str:
         """The study's digest: an owner with another one is refused when it attaches."""

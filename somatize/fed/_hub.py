@@ -17,21 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from blake3 import blake3
 
 from ._average import average
 from ._config import StudyConfig
 from ._flat import flat_optimizer, unflat_optimizer
 from ._frames import Refusal
+from ._rounds import average_digest, tensor_digest, write_round
 from ._seeds import generator_seed, seeded
 
 log = logging.getLogger(__name__)
-
-
-def tensor_digest(t: torch.Tensor) -> str:
-    """blake3 of a tensor's bytes (the ledger's record of what crossed)."""
-    t = t.detach().contiguous()
-    return blake3(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"").hexdigest()[:32]
 
 
 class StudyHub:
@@ -52,6 +46,7 @@ class StudyHub:
         if not self.v1:
             self.opts[""] = config.build_optimizer(self.trunk.parameters())
         self.ledger: list[dict] = []
+        self.averaged: dict[str, torch.Tensor] = {}  # the last round's average of the parts
         self.attached: set[str] = set()
         self.gone: set[str] = set()  # excluded from the study (lost mid-round)
         self._new_round()
@@ -337,8 +332,8 @@ class StudyHub:
             self.trunk.load_state_dict(trunk)
             for m in self.copies.values():
                 m.load_state_dict(trunk)
-        digest = blake3(b"".join(tensor_digest(avg[k]).encode() + k.encode()
-                                 for k in sorted(avg))).hexdigest()[:32]
+        digest = average_digest(avg)
+        self.averaged = avg  # written with the barrier's checkpoint (what export reads)
         self.ledger.append({"round": r, "kind": "average", "owners": taking,
                             "rows": weights, "digest": digest})
         self.answer[r] = (digest, avg)
@@ -364,16 +359,8 @@ class StudyHub:
         return {k: v.detach().contiguous().clone() for k, v in tensors.items()}, meta
 
     def _checkpoint(self) -> None:
-        if self.dir is None:
-            return
-        from safetensors.torch import save_file
-
-        tensors, meta = self.state()
-        d = self.dir / f"round-{self.round}"
-        d.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(d / "state.safetensors"))
-        (d / "state.json").write_text(json.dumps(meta))
-        (self.dir / "latest").write_text(str(self.round))
+        if self.dir is not None:
+            write_round(self.dir, self.round, *self.state(), self.averaged)
 
     def _resume(self) -> None:
         if self.dir is None or not (self.dir / "latest").exists():

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import json
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +23,7 @@ from ._config import StudyConfig
 from ._seeds import generator_seed, seeded
 
 Owners = Mapping[str, tuple[Callable[[], torch.nn.Module], Iterable]]
+_END = object()
 
 
 @dataclasses.dataclass
@@ -116,14 +115,14 @@ def replay(ledger: list[dict], owners: Owners, study: StudyConfig | Any, path: s
             s = shared[o]
             if s.round != r:  # its first step of a new round
                 s.round, s.step = r, 0
-                its.pop(o, None)
             torch.set_rng_state(rng[o])
-            if o not in its:
-                its[o], idx[o] = iter(owners[o][1]), 0
             if entry["step"] != s.step:
                 raise Refused(f"the ledger has owner {o!r} at step {entry['step']} of round "
                               f"{r}; its replay is at step {s.step}")
-            batch = next(its[o])
+            batch = next(its[o], _END) if o in its else _END
+            if batch is _END:  # a new epoch (a round may span epochs: round_steps)
+                its[o], idx[o] = iter(owners[o][1]), 0
+                batch = next(its[o])
             opts[o].zero_grad()
             out = models[o].training_step(batch, idx[o])
             loss = out["loss"] if isinstance(out, dict) else out
@@ -160,7 +159,8 @@ def replay(ledger: list[dict], owners: Owners, study: StudyConfig | Any, path: s
                     s.inner.load_state_dict(tr)
             for s in shared.values():
                 s.rows = 0
-            its.clear()
+            if not cfg.round_steps:  # a round is an epoch: the next starts the data anew
+                its.clear()
     for o, m in models.items():
         _set(m, path, shared[o].inner)
     return Run(models, {k: v.clone() for k, v in trunk.state_dict().items()}, losses,
@@ -192,24 +192,8 @@ def schedule(cfg: StudyConfig, steps: Mapping[str, int], rounds: int) -> list[di
 
 def simulate(owners: Owners, study: StudyConfig | Any, rounds: int, path: str = "trunk",
              seeds: Mapping[str, int] | None = None) -> Run:
-    """A study in one process on its fixed schedule: ``replay`` of ``schedule``."""
+    """A study in one process on its fixed schedule: ``replay`` of ``schedule`` (a
+    round: ``round_steps`` owner-steps of each owner, or an epoch of its loader)."""
     cfg = study if isinstance(study, StudyConfig) else StudyConfig.load(study)
-    steps = {o: len(loader) for o, (_, loader) in owners.items()}
+    steps = {o: cfg.round_steps or len(loader) for o, (_, loader) in owners.items()}
     return replay(schedule(cfg, steps, rounds), owners, cfg, path, seeds)
-
-
-def load_round(checkpoints: str | Path, study: str, round: int | None = None
-               ) -> tuple[dict[str, torch.Tensor], list[dict]]:
-    """A hub's checkpoint of ``study`` at a round barrier (the latest by default): the
-    shared module's state and the ledger."""
-    from safetensors.torch import load_file
-
-    d = Path(checkpoints) / study
-    if round is None:
-        if not (d / "latest").exists():
-            raise Refused(f"no checkpoint of study {study!r} under {checkpoints}")
-        round = int((d / "latest").read_text())
-    d = d / f"round-{round}"
-    tensors = load_file(str(d / "state.safetensors"))
-    meta = json.loads((d / "state.json").read_text())
-    return {k[6:]: v for k, v in tensors.items() if k.startswith("trunk.")}, meta["ledger"]

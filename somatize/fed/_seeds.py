@@ -8,26 +8,12 @@ and an oracle derives the same.
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
-import hmac
-from collections.abc import Iterator
+from ..torch._seeds import derived_seed, seeded
 
-import torch
+__all__ = ["generator_seed", "seeded"]
 
 
 def generator_seed(study: str, owner: str, round: int, step: int) -> int:
     """The 63-bit seed of ``owner``'s step ``step`` of round ``round`` in ``study`` (the
     study's key: its name, or a secret the hub keeps)."""
-    msg = f"{owner}/{int(round)}/{int(step)}".encode()
-    mac = hmac.new(str(study).encode(), msg, hashlib.sha256).digest()
-    return int.from_bytes(mac[:8], "big") >> 1
-
-
-@contextlib.contextmanager
-def seeded(seed: int) -> Iterator[None]:
-    """Run the block with torch's CPU generator seeded by ``seed``, and put the caller's
-    state back after it."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        yield
+    return derived_seed(study, owner, int(round), int(step))

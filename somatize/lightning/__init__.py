@@ -5,6 +5,7 @@ that settles and caches what was declared frozen.
 """
 
 from ._callback import SomatizeCache
+from ._derived import DerivedRNG
 from ._strategy import SomatizeStrategy
 
-__all__ = ["SomatizeCache", "SomatizeStrategy"]
+__all__ = ["DerivedRNG", "SomatizeCache", "SomatizeStrategy"]

@@ -18,6 +18,7 @@ teardown, and on ``trainer.strategy.sync()``.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -31,6 +32,7 @@ from ..torch._mirror import Mirror
 from ..torch._session import Session
 from ..torch.placed._here import Link
 from ..torch.placed._there import Placed
+from ._derived import DerivedRNG, derived_draws
 from ._placing import placed_modules, refuse_tied
 from ._private import lightning_optimizers
 from ._route import Route
@@ -91,6 +93,8 @@ class PlacedRoute(Route):
         self.closed = False  # the fit is over: its modules have their own forward back
         self.interrupted = False  # Ctrl-C: nothing more is asked of the workers
         self.fitting = False  # a fit, not a validate or test (set by open)
+        self.draws: DerivedRNG | None = None  # the calls' seeds, when no RNG state is sent
+        self.callbacks: list = []
         self.mirror.patch_zero_grads(list(lightning_optimizers))
         if precision is not None:
             self.mirror.patch_precision(precision)
@@ -119,6 +123,12 @@ class PlacedRoute(Route):
                     strategy.precision_plugin, strategy.root_device, trains=trains,
                     schedulers=[c.scheduler for c in strategy.lr_scheduler_configs])
         route.fitting = trainer.training  # validate or test: the optimizers here keep theirs
+        route.draws = derived_draws(strategy.workers, strategy.place)  # Worker(rng="derived")
+        if route.draws is not None:
+            for path in route.draws.keys:
+                route.links[path].draws = functools.partial(route.draws.seed, path)
+            route.callbacks = trainer.callbacks
+            trainer.callbacks.insert(0, route.draws)  # before any other counts a call
         if trainer.training:
             route.say()
         for link in route.links.values():
@@ -228,6 +238,8 @@ class PlacedRoute(Route):
                 if self.fitting:  # after fit: the optimizers here are one piece's
                     self.mirror.keep_here(states)
         finally:
+            if self.draws is not None and self.draws in self.callbacks:
+                self.callbacks.remove(self.draws)
             for link in self.links.values():
                 link.uninstall()
             self.mirror.restore()

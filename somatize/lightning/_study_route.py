@@ -2,7 +2,8 @@
 study's hub (``somatize.fed``), ``SomatizeStrategy(place={"trunk": study.shared})``.
 Each training step sends the activation at the cut and the gradient of the module's
 output, nothing else (no RNG state, no weights, no code); each epoch is a round: the
-owner's ``parts`` are averaged with the other owners' (FedAvg, weighted by rows).
+owner's ``parts`` are averaged with the other owners' (FedAvg, weighted by rows); or a
+round is the study's ``round_steps`` owner-steps.
 
     route = StudyRoute.open(strategy, trainer, {}, session)   # by SomatizeStrategy.setup
 """
@@ -40,18 +41,37 @@ class _Cut(torch.autograd.Function):
 
 class _Rounds(pl.Callback):
     """Attach when training starts (after a checkpoint is restored); end a round as
-    each epoch ends, before the other callbacks (a checkpoint holds the average)."""
+    each epoch ends, or after each ``round_steps`` owner-steps (the steps left at the
+    fit's end a round of their own), before the other callbacks (a checkpoint holds
+    the average)."""
 
     def __init__(self, route: StudyRoute):
         self.route = route
+        self.every = route.cfg.round_steps
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.route.attach(trainer.current_epoch, str(trainer.precision))
+        if self.every:  # an owner-step is an optimizer step (accumulate_grad_batches=1)
+            self.route.attach(trainer.global_step // self.every, str(trainer.precision),
+                              trainer.global_step % self.every)
+        else:
+            self.route.attach(trainer.current_epoch, str(trainer.precision))
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.every and self.route.step >= self.every:
+            self.route.round_end()
 
     @override
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.route.round_end()
+        if not self.every:
+            self.route.round_end()
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.every and self.route.step:
+            self.route.round_end()
 
 
 class StudyRoute(Route):
@@ -138,11 +158,11 @@ class StudyRoute(Route):
         return t["gx"]
 
     # -- rounds -------------------------------------------------------------------------
-    def attach(self, round: int, precision: str) -> None:
+    def attach(self, round: int, precision: str, step: int = 0) -> None:
         _, fields, _ = self.link.call("Attach", self._fields(
             digest=self.cfg.digest(), precision=precision, schedule=self.cfg.schedule,
             round=round))
-        self.round, self.step, self.attached = round, 0, True
+        self.round, self.step, self.attached = round, step, True
 
     def round_end(self) -> None:
         parts = {}

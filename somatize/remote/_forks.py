@@ -201,9 +201,12 @@ class Forked:
             time.sleep(0.02)
 
     def poll(self) -> int | None:
+        # asked before every message: nothing to read is no exception raised and caught
+        if self.returncode is None and not select.select([self._conn], [], [], 0)[0]:
+            return None
         try:
             return self.wait(timeout=0.0)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # the server ended first, the process lives on
             return None
 
     def communicate(self, timeout: float | None = None):

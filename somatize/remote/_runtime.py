@@ -319,9 +319,11 @@ def _wait(fut) -> Any:
     """``fut.wait()``, in slices the main thread can be interrupted between (Ctrl-C):
     a bare wait blocks in C until the call answers or times out."""
     if not fut.done():
-        answered = threading.Event()
-        fut.add_done_callback(lambda _: answered.set())
-        while not answered.wait(0.2):
+        # a bare lock, not an Event: its acquire is one C call, and a signal ends it too
+        answered = threading.Lock()
+        answered.acquire()
+        fut.add_done_callback(lambda _: answered.release())
+        while not answered.acquire(timeout=0.2):
             pass
     return fut.wait()
 

@@ -85,6 +85,7 @@ def resolve(value: Any) -> Any:
 
 
 _PLACED, _PLACED_MESSAGES = ("Call", "Answer"), "somatize.torch.placed._messages"
+_PLACED_THERE = "somatize.torch.placed._there"
 _PLAIN = frozenset({str, bytes, int, float, bool, type(None)})
 
 
@@ -121,7 +122,9 @@ def bytes_of(value: Any) -> int:
         elif type(v).__name__ == "Envelope":
             todo += [v.signal, v.then]
         elif type(v).__name__ in _PLACED and type(v).__module__ == _PLACED_MESSAGES:
-            todo += [v.tensors, v.rng]  # (the rest of a placed Call or Answer holds none)
+            todo += [v.tensors, v.rng, *getattr(v, "ops", ())]  # (the rest holds none)
+        elif type(v).__name__ == "Backward" and type(v).__module__ == _PLACED_THERE:
+            todo.append(v.grads)  # a backward queued with a call
     return total
 
 

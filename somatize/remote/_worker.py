@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from .._errors import WorkerError
 
 DEFAULT_TIMEOUT = 60.0  # seconds any one call to a worker may take before it is an error
+RNG = ("sent", "derived")  # what a placed module's randomness over there draws from
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,15 @@ class Worker:
         device: where a placed module computes over there (``"cpu"``, ``"cuda:1"``);
             default: a torchrun rank's ``LOCAL_RANK`` GPU, else ``cuda:0`` where there is
             one, else ``cpu``.
+        rng: what a placed module's randomness (dropout) over there draws from.
+            ``"sent"`` (default): this process's RNG state travels with each call and
+            comes back advanced, so the run is exactly one piece's. ``"derived"``, for a
+            worker of another organization: no RNG state crosses (from it a worker could
+            predict this process's next shuffle, or any noise drawn here); each call
+            draws from a generator seeded by ``HMAC(rng_key, module path/stage/global
+            step/batch/dataloader/call)`` (``somatize.lightning.DerivedRNG`` is its
+            one-piece oracle; docs/security.md). It is the placed route's (``place=``).
+        rng_key: the key ``"derived"`` seeds derive from (a run's seed, not a secret).
     """
 
     address: str | None = None
@@ -40,10 +50,19 @@ class Worker:
     timeout: float = DEFAULT_TIMEOUT
     threads: int | None = None
     device: str | None = None
+    rng: str = "sent"
+    rng_key: str = "somatize"
+
+    def __post_init__(self):
+        if self.rng not in RNG:
+            raise WorkerError(f"Worker(rng={self.rng!r}): say 'sent' (this process's RNG "
+                              "state travels with each call) or 'derived' (none crosses; "
+                              "the placed module draws from a derived generator)")
 
     @classmethod
     def at(cls, address: str, *, timeout: float = DEFAULT_TIMEOUT,
-           threads: int | None = None, device: str | None = None) -> Worker:
+           threads: int | None = None, device: str | None = None, rng: str = "sent",
+           rng_key: str = "somatize") -> Worker:
         """A standing worker: the daemon listening at ``"host:port"``."""
         host, _, port = address.rpartition(":")
         if not host or not port.isdigit():
@@ -51,7 +70,8 @@ class Worker:
                 f"Worker.at({address!r}): give the daemon's address as 'host:port', "
                 "e.g. Worker.at('127.0.0.1:7000')"
             )
-        return cls(address=address, timeout=timeout, threads=threads, device=device)
+        return cls(address=address, timeout=timeout, threads=threads, device=device, rng=rng,
+                   rng_key=rng_key)
 
     @classmethod
     def rank(cls, rank: int, *, timeout: float = DEFAULT_TIMEOUT) -> Worker:
@@ -62,10 +82,11 @@ class Worker:
 
     @classmethod
     def embedded(cls, *, store: str | None = None, timeout: float = DEFAULT_TIMEOUT,
-                 threads: int | None = None, device: str | None = None) -> Worker:
+                 threads: int | None = None, device: str | None = None, rng: str = "sent",
+                 rng_key: str = "somatize") -> Worker:
         """A local worker process started on 127.0.0.1 for the graph or trainer using it."""
         return cls(store=None if store is None else str(store), timeout=timeout,
-                   threads=threads, device=device)
+                   threads=threads, device=device, rng=rng, rng_key=rng_key)
 
     @property
     def kind(self) -> str:

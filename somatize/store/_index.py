@@ -46,6 +46,7 @@ KEY = 16
 SMALL = 1 << 16  # records: a segment this small is folded into the reader's dict
 MERGE_SMALL = 16  # this many small segments are compacted into one
 MERGE_BIG = 4
+_RACY = 3_000_000_000  # ns: a folder changed this recently is listed at every refresh
 
 
 class Loc(NamedTuple):
@@ -195,6 +196,8 @@ class Index:
         self.segments: dict[str, Segment | None] = {}  # by file name; None: unreadable
         self.small: dict[bytes, tuple[Segment, int]] = {}  # key -> its segment, record
         self.big: list[Segment] = []
+        self.generation = 0  # counts the refreshes that found segments new or gone
+        self._listed: tuple | None = None  # the folder's stat when last listed
 
     def _list(self) -> list[str]:
         try:
@@ -212,7 +215,18 @@ class Index:
 
         A segment listed but gone before it is read was compacted away meanwhile: the
         merged one was named before it went, so the directory is listed again, and the
-        records are found there (a view that lacks both is never used)."""
+        records are found there (a view that lacks both is never used). Not listed again
+        while the folder's stat is what it was at the last listing, and that is older than
+        ``_RACY`` (a name added within a coarse mtime's tick is listed)."""
+        try:
+            st = os.stat(self.folder)
+            stamp = (st.st_ino, st.st_mtime_ns, st.st_size, st.st_nlink)
+        except OSError:
+            stamp = None
+        if stamp is not None and stamp == self._listed \
+                and time.time_ns() - stamp[1] > _RACY:
+            return  # asked at every batch: one stat, no listing
+        self._listed = stamp
         gone: set[str] = set()
         new: list[str] = []
         for _ in range(100):  # each pass that finds one vanished follows a compaction
@@ -250,6 +264,7 @@ class Index:
             self.small.update(zip((ks[i * KEY:(i + 1) * KEY] for i in range(s.n)),
                                   zip(repeat(s), range(s.n)), strict=True))
         if gone or new:  # newest first: the first that holds a key answers for it
+            self.generation += 1
             self.big = sorted((s for s in self.segments.values() if s is not None
                                and s.n > SMALL), key=lambda s: s.order, reverse=True)
 
@@ -266,9 +281,11 @@ class Index:
                      "names it; delete it to stop this warning")
             return None
 
-    def lookup(self, keys: Sequence[bytes]) -> list[Loc | None]:
-        """Each key's ``Loc`` or None, in order: one pass over the batch."""
-        self.refresh()
+    def lookup(self, keys: Sequence[bytes], refresh: bool = True) -> list[Loc | None]:
+        """Each key's ``Loc`` or None, in order: one pass over the batch (``refresh``:
+        the directory listed first; False where the caller just did)."""
+        if refresh:
+            self.refresh()
         small, big = self.small, self.big
         out = []
         for k in keys:

@@ -13,7 +13,7 @@ On disk, beside the store's blobs and names::
 
 A module's items live under its own key (its class, state, salt, autocast): dropping
 them is removing that folder (``drop``). A hit reads its row from a pack checked whole
-(see _packs) whose rows were then copied into this reader's arena (chunks of rows held
+(see _packs) whose rows were then copied into this reader's arena (rows held
 in memory, bounded), and only if the pack holds that row for that item's key;
 anything that does not check out is a miss, said once. The index also holds a digest
 per row, which ``verify`` checks.
@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 import shutil
 import time
 import uuid
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +45,7 @@ log = logging.getLogger("somatize.store")
 _OPEN_PACKS = 256
 _HOLD = 256 << 20  # bytes of checked rows held in memory, per module
 _HOLD_PACK = 64 << 20  # a bigger pack is checked, then read row by row
-_CHUNK = 16 << 20  # the arena grows by chunks of this many bytes
+_SERVED = 1 << 20  # items remembered as served from the arena (about 130 bytes each)
 
 
 def _row_bytes_of(layout: tuple) -> int:
@@ -65,6 +67,9 @@ class Rows:
     ok: list[bool]
     parts: list[tuple[Any, list[int], list[int]]] = field(default_factory=list)
     row_bytes: int = 0
+    # or, every slot served from the arena: slot i is row ``codes[i]`` of ``arena``
+    codes: array | None = None
+    arena: Any = None
 
     def slot(self, i: int) -> bytes:
         """The bytes found for slot ``i`` (for tests and tools; a copy)."""
@@ -94,6 +99,9 @@ class Items:
 
     def space(self, key: str, meta: Mapping[str, str] | None = None) -> Space:
         """The items of the module named ``key`` (a hex digest)."""
+        space = self._spaces.get(key)
+        if space is not None:  # asked at every batch
+            return space
         if not (len(key) == 64 and all(c in "0123456789abcdef" for c in key)):
             raise ValueError(f"a module key is 64 hex digits, not {key!r}")
         if key not in self._spaces:
@@ -133,14 +141,34 @@ class Space:
         # the arena: rows of checked packs, by pack name -> (chunk, first row, rows, keys,
         # layout); what it holds was checked whole when copied, so it is served as is
         self._held: dict[str, tuple[int, int, int, bytes, tuple]] = {}
-        self._arena: list[bytearray] = []
+        self._arena: list[memoryview] = []  # one: anonymous memory, taken as it is filled
         self._layout: tuple | None = None
         self._cap = self._fill = self._arena_bytes = 0
+        # item key -> its row in the arena, for items the index sent there while
+        # it stood as it does now (forgotten whenever a segment comes or goes)
+        self._served: dict[bytes, int] = {}
+        self._generation = -1
 
     # -- reading ------------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> list[Loc | None]:
         """Each item's ``Loc``, or None for one not kept."""
         return self.index.lookup(keys)
+
+    def served(self, keys: Sequence[bytes]) -> Rows | None:
+        """The rows of ``keys`` when every one was read from the arena before, under the
+        index as it stands now (listed again first): what ``lookup`` and ``read`` would
+        find, with no Python step per item; None otherwise (then ask those)."""
+        self.index.refresh()
+        if self.index.generation != self._generation:
+            self._served.clear()
+            self._generation = self.index.generation
+            return None
+        got = list(map(self._served.get, keys))
+        if not got or None in got or self._layout is None:
+            return None
+        dtype, row = self._layout
+        return Rows(dtype, row, [True] * len(got), row_bytes=_row_bytes_of(self._layout),
+                    codes=array("q", got), arena=self._arena[0])
 
     def read(self, keys: Sequence[bytes], locs: Sequence[Loc | None]) -> Rows:
         """Find the rows of ``locs`` (None: skipped). A row whose pack is gone, damaged or
@@ -160,12 +188,14 @@ class Space:
                 elif layout != (rows.dtype, rows.row):
                     continue
                 got = chunks.setdefault(at_chunk, ([], []))
+                served = self._served if len(self._served) < _SERVED else {}
                 for i in slots:
                     r = locs[i].row
                     if 0 <= r < n and kp[r * KEY:(r + 1) * KEY] == keys[i]:
                         got[0].append(i)
                         got[1].append(first + r)
                         rows.ok[i] = True
+                        served[keys[i]] = first + r
                 continue
             pack = self._pack(name)
             if pack is None:
@@ -219,9 +249,9 @@ class Space:
         return rows
 
     def _hold(self, name: str) -> bool:
-        """Open, check and copy a pack's rows into the arena (chunks of rows held in
-        memory, so a batch gathers its hits from one or two buffers); False when it
-        cannot be held (not checked out, too big, another layout, over the budget)."""
+        """Open, check and copy a pack's rows into the arena (one buffer of rows held in
+        memory, so a batch gathers its hits at once); False when it cannot be held (not
+        checked out, too big, another layout, over the budget)."""
         pack = self._pack(name)
         if pack is None or pack.n * pack.row_bytes > _HOLD_PACK:
             return False
@@ -235,13 +265,11 @@ class Space:
             self._layout = layout
         if layout != self._layout or rb == 0:
             return False
-        if not self._arena or self._fill + pack.n > self._cap:
-            cap = max(pack.n, _CHUNK // rb)
-            if self._arena_bytes + cap * rb > _HOLD:
-                return False
-            self._arena.append(bytearray(cap * rb))
-            self._cap, self._fill = cap, 0
-            self._arena_bytes += cap * rb
+        if not self._arena:  # its pages are taken as rows are copied in, up to _HOLD
+            self._cap, self._fill, self._arena_bytes = _HOLD // rb, 0, _HOLD
+            self._arena.append(memoryview(mmap.mmap(-1, _HOLD))[:self._cap * rb])  # whole rows
+        if self._fill + pack.n > self._cap:
+            return False
         c, first = len(self._arena) - 1, self._fill
         memoryview(self._arena[c])[first * rb:(first + pack.n) * rb] = pack.rows
         self._fill += pack.n
@@ -341,4 +369,5 @@ class Space:
         self._packs.clear()
         self._held.clear()
         self._arena.clear()
+        self._served.clear()
         self._layout, self._cap, self._fill, self._arena_bytes = None, 0, 0, 0

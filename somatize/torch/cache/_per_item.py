@@ -36,6 +36,7 @@ from ..._node import kind_of
 from ..._say import say_once
 from ..._values import Opaque, bare
 from ...store._items import Items, Space
+from ...store._rows import row_keys
 from .._codec import DTYPES as CODEC_DTYPES
 from .._codec import TORCH_DTYPES
 from .._state import modules_of
@@ -55,7 +56,8 @@ def module_key(kind: str, state: str | None, salt: str | None) -> str:
 
 
 def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
-    """One 16-byte key per row of ``x`` (hashed in place on a contiguous CPU copy)."""
+    """One 16-byte key per row of ``x`` (hashed in place on a contiguous CPU copy, in one
+    native call: ``_rows``)."""
     x = x.detach()
     if x.device.type != "cpu":
         x = x.cpu()
@@ -64,12 +66,12 @@ def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
     if n == 0:
         return []
     # a key of its own per module and row layout, derived under our context: each row is
-    # then one keyed BLAKE3 call (a mode no whole-value key uses)
+    # then keyed BLAKE3 (a mode no whole-value key uses), 16 rows at a time (_rows)
     key = blake3(bytes.fromhex(mkey) + f"{x.dtype}{list(x.shape[1:])}".encode(),
                  derive_key_context=CONTEXT).digest()
-    raw = memoryview(x.reshape(n, -1).view(torch.uint8).numpy()).cast("B")
-    rb = raw.nbytes // n
-    return [blake3(raw[i * rb:(i + 1) * rb], key=key).digest(16) for i in range(n)]
+    raw = memoryview(x.reshape(n, -1).view(torch.uint8).numpy()).cast("B") if x.numel() \
+        else memoryview(b"")
+    return row_keys(key, raw, n, x.data_ptr())
 
 
 def items_of(store: Any) -> Items | None:
@@ -138,8 +140,10 @@ class PerItem:
             return run(x), True
         n = x.shape[0]
         keys = item_keys(space.key, x)
-        locs = space.lookup(keys)
-        rows = space.read(keys, locs) if any(loc is not None for loc in locs) else None
+        rows = space.served(keys)  # the epochs after the first: all of them, at once
+        if rows is None:
+            locs = space.lookup(keys)
+            rows = space.read(keys, locs) if any(loc is not None for loc in locs) else None
         ok = rows.ok if rows is not None else [False] * n
         nhit = sum(ok)
         if nhit == n:  # the epochs after the first: no miss to sort out
@@ -171,6 +175,8 @@ class PerItem:
             dev = self.device or device or x.device
         self.row = self.rows_of[layout]
         result = torch.empty((n, *self.row), dtype=dtype, device=dev)
+        if hit and rows.codes is not None:
+            _gather(result, rows, dtype)
         for buf, slots, at in rows.parts if hit else ():  # a pack's rows at once
             src = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(-1, *rows.row)
             result[torch.tensor(slots, device=dev)] = src[torch.tensor(at)].to(dev)
@@ -252,6 +258,17 @@ class PerItem:
         return out
 
 
+def _gather(result: torch.Tensor, rows: Any, dtype: torch.dtype) -> None:
+    """Fill ``result`` with rows served from the arena (``rows.codes``: the row of each
+    slot there) in one ``index_select``."""
+    at = torch.frombuffer(rows.codes, dtype=torch.int64)
+    src = torch.frombuffer(rows.arena, dtype=torch.uint8).view(dtype).view(-1, *rows.row)
+    if result.device.type == "cpu":
+        torch.index_select(src, 0, at, out=result)
+    else:
+        result.copy_(src.index_select(0, at))
+
+
 def _given(n: int) -> str:
     return f" for the {n} rows it was given (misses are computed in chunks of {n})"
 
@@ -328,6 +345,7 @@ def answer_mapped(graph, n: str, node: Any, x: Any, keeper: Any, run) -> tuple[A
     item = mine.get(id(keeper))
     if item is None:
         item = mine[id(keeper)] = PerItem(n, kind_of(node), keeper, graph.memory.cached.get(n))
+    item.exact = bool(getattr(node, "_soma_exact", False))  # .mapped(exact=True)
     wrapped = isinstance(x, Opaque)
     opaque = []
 

@@ -35,7 +35,7 @@ from ._messages import Bare, Call, Pickled, Same, pack, spread, unpack
 from ._module_ops import Free, Sent
 from ._ordinary import into, unsendable
 from ._routing import Routing
-from ._there import _backward, _call, _state, _weights
+from ._there import Backward, _applied, _backward, _call, _state, _weights
 from ._tree import tree_flatten, tree_unflatten
 
 log = logging.getLogger(__name__)
@@ -125,9 +125,10 @@ class Link:
     What it holds, besides who it is (``part``, ``name``, ``module``, ``host``, and the
     devices ``here`` and ``device`` over there): ``routing``, where the module's calls
     go; ``sent``, what the worker was last sent of the module; ``ops``, what is queued
-    for the next message; ``backwards``, the backwards sent without waiting whose
-    answers are not read yet; whether the weights here are ``stale``, and whether a fit
-    is on (``fitting``)."""
+    for the next message (a backward nobody here waits for among them); whether the
+    weights here are ``stale``, and whether a fit is on (``fitting``); ``draws``, set
+    when no RNG state may cross (``Worker(rng="derived")``): what gives each call's seed
+    instead."""
 
     stands_in = True  # (its forward, set on the module while its hooks run here, is no attribute)
 
@@ -144,13 +145,13 @@ class Link:
                      self.here)
         self.calls = itertools.count()
         self.ops: list = []  # steps, zero_grads, modes, writes: sent with the next message
-        self.backwards: list = []  # sent and not yet answered (read before the next)
         self.freed: list = []  # calls whose graph here is gone: what they keep there goes
         self.routing = Routing(self)
         self.sent: Sent | None = None  # at install
         self.buffered = False  # the module has buffers (a call over there may move them)
         self.fitting = False
         self.stale = False  # the weights here are behind the ones over there
+        self.draws: Any = None  # () -> the seed of the next call, when no RNG state is sent
 
     # -- installing --------------------------------------------------------------------
     def install(self) -> None:
@@ -203,15 +204,18 @@ class Link:
         ops, self.ops = self.ops, []
         autocast = [(d, torch.get_autocast_dtype(d), torch.is_autocast_cache_enabled())
                     for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+        draws = self.draws  # Worker(rng="derived"): a seed of its own, no RNG state of ours
         call = Call(next(self.calls), crossing, structure, needs, grad,
-                    torch.is_inference_mode_enabled(), torch.get_rng_state(), ops, autocast,
+                    torch.is_inference_mode_enabled(),
+                    torch.get_rng_state() if draws is None else draws(), ops, autocast,
                     torch.get_default_dtype(), self.device)
         answer = self._rpc(_call, self.name, call)
         outs = answer.tensors
         here = self.here
         if here.type != "cpu":
             outs = [t.to(here) for t in outs]
-        torch.set_rng_state(answer.rng)  # what one piece's draws would have left it at
+        if answer.rng is not None:
+            torch.set_rng_state(answer.rng)  # what one piece's draws would have left it at
         self.part.add(self.name, answer.pid)
         self.stale = self.stale or self.buffered  # its buffers may have moved over there
         if answer.kept:  # something over there asks for dL/d(outputs): the call is in the graph
@@ -270,33 +274,26 @@ class Link:
                                         [*given, *inputs]))
             back = [None if g is None else next(there) for g in back]
             return [g for g, need in zip(back, needs, strict=True) if need]
-        args = (_backward, self.name, number, crossing, ops, accumulate)
         if not any(needs):
-            # nothing here waits for dL/d(arguments): the backward over there overlaps with
-            # the rest of this one; the next message to the worker waits for it first
-            self.backwards.append(self.part.runtime.call_async(self.host, *args))
+            # nothing here waits for dL/d(arguments): the backward goes with the next
+            # message (behind what was queued before it, ahead of the step queued after)
+            self.ops = [*ops, Backward(self.name, number, crossing, accumulate)]
             return []
-        back = self._rpc(*args)
+        back = self._rpc(_backward, self.name, number, crossing, ops, accumulate)
         here = self.here
         return [_to(g, here) for g, need in zip(back, needs, strict=True) if need]
 
     def _rpc(self, fn: Any, *args: Any) -> Any:
-        # the worker runs calls in the order they were sent: this one goes at once, behind
-        # what is in flight, whose answers are read first (their errors first)
-        answer = self.part.runtime.call_async(self.host, fn, *args)
-        if self.backwards:
-            self.settle()
-        got = answer.result()
+        # the worker runs calls in the order they were sent, each with what was queued
+        got = self.part.runtime.call(self.host, fn, *args)
         if isinstance(got, Raised):
             raise self._rebuilt(got)
         return got
 
     def settle(self) -> None:
-        """Wait for the backwards still in flight over there (in order)."""
-        while self.backwards:
-            got = self.backwards.pop(0).result()
-            if isinstance(got, Raised):
-                raise self._rebuilt(got)
+        """Do over there the backwards still queued here (a trace written now has them)."""
+        if any(type(op) is Backward for op in self.ops):
+            self._read(_applied)
 
     def _rebuilt(self, got: Raised) -> BaseException:
         # raised in the module over there: its own type here

@@ -51,7 +51,8 @@ class Call:
     """One call of a placed module, as it travels: numbered in order, its arguments'
     tensors (detached, on the CPU) and how their structure travels, which of them ask
     for dL/d(argument), and what it runs under here: grad and inference mode, the RNG
-    state, the ops queued since the last message (done first), the autocast in force
+    state (with ``Worker(rng="derived")``, the int seed the call draws from instead),
+    the ops queued since the last message (done first), the autocast in force
     (``(device type, dtype, cache)`` each), the default dtype; and the device the
     module computes on over there."""
 
@@ -61,7 +62,7 @@ class Call:
     needs: list[bool]
     grad: bool
     inference: bool
-    rng: torch.Tensor
+    rng: torch.Tensor | int
     ops: list
     autocast: list
     dtype: torch.dtype
@@ -72,14 +73,15 @@ class Call:
 class Answer:
     """A call's answer: the output's tensors (detached, on the CPU) and how its
     structure travels, which of them carry a gradient over there, the RNG state the
-    forward left, the worker's pid, whether the call waits for a backward (a frozen
-    module's does not), and how many uses the forward made of each argument that asks
-    for a gradient, when one was used more than once (``_there.fans``)."""
+    forward left (None when the call drew from a seed of its own), the worker's pid,
+    whether the call waits for a backward (a frozen module's does not), and how many
+    uses the forward made of each argument that asks for a gradient, when one was used
+    more than once (``_there.fans``)."""
 
     tensors: list
     structure: Bare | Pickled
     alive: list[bool]
-    rng: torch.Tensor
+    rng: torch.Tensor | None
     pid: int
     kept: bool
     uses: tuple = ()

@@ -17,14 +17,12 @@ nothing on its modules and changed no argument.
 from __future__ import annotations
 
 import contextlib
-import functools
 import operator
 import os
 import pickle
 from typing import Any
 
 import torch
-from torch.autograd.graph import get_gradient_edge
 
 from ..._errors import Refused, WorkerError
 from ..._trace import span
@@ -32,7 +30,9 @@ from .._module import ModuleNode
 from .._pickling import dumps, stand_in
 from .._private import hooks_of, version, versions
 from .._raised import Raised, caught
+from .._seeds import seeded
 from .._state import on_cpu
+from ._fans import fans, heard
 from ._looks import looks, mutable
 from ._messages import Answer, Call, Pickled, Same, bare, pack, unpack
 from ._ordinary import _OWN
@@ -71,21 +71,36 @@ def _settled_on(placed: Placed, device: str) -> torch.device:
     return dev
 
 
-def _state(live, name: str, ops: list) -> dict:
+def _state(live, name: str, ops: list) -> dict | Raised:
     """The module's weights and buffers, and its mirrors' states by parameter name, on
     the CPU, once ``ops`` are applied."""
     placed = live.catalog[name]
-    _apply(placed, ops)
+    try:
+        _apply(placed, ops)
+    except Exception as e:  # a queued backward's error, rebuilt there as its own type
+        return caught(e)
     names = {id(p): n for n, p in placed.module.named_parameters()}
     optim = {i: {names[id(p)]: on_cpu(st) for p, st in opt.state.items()}
              for i, opt in placed.mirrors.items()}
     return {"weights": on_cpu(placed.module.state_dict()), "optimizers": optim}
 
 
-def _weights(live, name: str, ops: list) -> dict:
+def _applied(live, name: str, ops: list) -> Raised | None:
+    """``ops`` applied, nothing read (what is queued, sent on its own)."""
+    try:
+        _apply(live.catalog[name], ops)
+    except Exception as e:  # a backward's error, rebuilt there as its own type
+        return caught(e)
+    return None
+
+
+def _weights(live, name: str, ops: list) -> dict | Raised:
     """The module's weights and buffers now (on the CPU), once ``ops`` are applied."""
     placed = live.catalog[name]
-    _apply(placed, ops)
+    try:
+        _apply(placed, ops)
+    except Exception as e:  # a queued backward's error, rebuilt there as its own type
+        return caught(e)
     return on_cpu(placed.module.state_dict())
 
 
@@ -110,8 +125,11 @@ def _call(live, name: str, call: Call) -> Answer | Raised:
                 ) from None
         else:
             spec, plain, carried = None, structure, ()
-        torch.set_rng_state(call.rng)
         with contextlib.ExitStack() as under:
+            if type(call.rng) is int:  # a seed of its own: no RNG state crossed
+                under.enter_context(seeded(call.rng, dev))
+            else:
+                torch.set_rng_state(call.rng)
             for device_type, cast, cache in call.autocast:  # the caller's, as it was
                 under.enter_context(torch.autocast(device_type, dtype=cast,
                                                    cache_enabled=cache))
@@ -200,35 +218,9 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
     # tensors cross on the CPU (no TensorPipe device maps yet): moved at the boundary;
     # a detached output stays so here
     return Answer([t.detach().cpu() for t in outs], structure,
-                  [t.requires_grad for t in outs], torch.get_rng_state(), os.getpid(),
+                  [t.requires_grad for t in outs],
+                  None if type(call.rng) is int else torch.get_rng_state(), os.getpid(),
                   call.number in placed.kept, uses)
-
-
-def fans(outs: list, leaves: list) -> dict:
-    """For each of ``leaves`` that the graph from ``outs`` uses more than once, by index:
-    its uses, as ``(node, input)``, in the order of the graph's edges. Their gradients
-    are answered apart, for the engine here to add them to what the tensor gets here in
-    the order plain autograd would (one sum over there would round differently)."""
-    accs = {get_gradient_edge(t).node: i for i, t in enumerate(leaves)}
-    uses: dict = {}
-    seen = set()
-    stack = [t.grad_fn for t in outs if t.grad_fn is not None]
-    while stack:
-        node = stack.pop()
-        if node in seen:
-            continue
-        seen.add(node)
-        for j, (nxt, _) in enumerate(node.next_functions):
-            if nxt is None:
-                continue
-            i = accs.get(nxt)
-            if i is not None:
-                uses.setdefault(i, []).append((node, j))
-            elif nxt not in seen:
-                stack.append(nxt)
-    return {i: u for i, u in uses.items() if len(u) > 1} if any(
-        len(u) > 1 for u in uses.values()) else {}
-
 
 _MISSING = object()
 
@@ -293,28 +285,6 @@ def _changed(tree: tuple, flat: list, leaves: list, versions: list) -> Any:
                            and id(t) not in touched else t for t in after], spec)
 
 
-@contextlib.contextmanager
-def _heard(fan: dict):
-    # the gradient each use of an argument used more than once adds, as the engine adds it
-    heard: dict = {i: [] for i in fan}
-    handles = []
-    for i, uses in fan.items():
-        edges: dict = {}
-        for node, j in uses:
-            edges.setdefault(node, []).append(j)
-        for node, js in edges.items():
-            handles.append(node.register_hook(functools.partial(_hear, heard[i], js)))
-    try:
-        yield heard
-    finally:
-        for h in handles:
-            h.remove()
-
-
-def _hear(into: list, edges: list, grad_inputs: tuple, grad_outputs: tuple) -> None:
-    into.extend(grad_inputs[j] for j in edges)
-
-
 def _backward(live, name: str, call: int, grads: list, ops: list, accumulate: bool = True,
               then: int | None = None, asks: list | None = None) -> Any:
     """dL/d(the call's arguments), given dL/d(its outputs): into the weights too when
@@ -326,48 +296,66 @@ def _backward(live, name: str, call: int, grads: list, ops: list, accumulate: bo
     try:
         placed = live.catalog[name]
         _apply(placed, ops)  # a zero_grad between the forward and this backward
-        got = placed.kept.get(call)
-        if got is None:
-            raise RuntimeError(
-                f"a backward reached {name!r} for a call whose graph was freed: call "
-                ".backward(retain_graph=True) the first time to go through it again")
-        leaves, outs, *fan = got
-        create = then is not None
-        fan = fan[0] if fan and not create else {}  # (under create_graph: summed here)
-        device = outs[0].device if outs else None
-        given = [None if g is None else g.to(device) for g in grads]
-        if create:
-            given = [g.detach().requires_grad_() if ask and g is not None else g
-                     for g, ask in zip(given, asks, strict=True)]
-        pairs = [(o, g) for o, g in zip(outs, given, strict=True)
-                 if g is not None and o.requires_grad]
-        wanted = [leaf for leaf in leaves if leaf is not None]
-        back: list = [None] * len(wanted)
-        if pairs:
-            with span(f"backward {name}", "node"), torch.set_grad_enabled(create), \
-                    _heard(fan) as heard:
-                o, g = [o for o, _ in pairs], [g for _, g in pairs]
-                if accumulate:  # the weights' .grad too; the arguments' read and let go
-                    for leaf in wanted:
-                        leaf.grad = None
-                    torch.autograd.backward(o, g, retain_graph=True, create_graph=create)
-                    back = [leaf.grad for leaf in wanted]
-                    for leaf in wanted:
-                        leaf.grad = None
-                elif wanted:
-                    back = list(torch.autograd.grad(o, wanted, g, retain_graph=True,
-                                                    create_graph=create, allow_unused=True))
-            for i, uses in heard.items():  # each use's gradient, in the order they were added
-                back[i] = [None if u is None else u.cpu() for u in uses]
-        it = iter(back)
-        back = [None if leaf is None else next(it) for leaf in leaves]
-        if not create:
-            return [b.cpu() if isinstance(b, torch.Tensor) else b for b in back]
-        kept_outs = [b for b in back if b is not None]
-        if any(t.requires_grad for t in kept_outs):
-            placed.kept[then] = ([g if ask else None for g, ask in zip(given, asks, strict=True)]
-                                 + wanted, kept_outs)
-        return ([None if b is None else b.detach().cpu() for b in back],
-                [b is not None and b.requires_grad for b in back])
+        return _backward_through(placed, name, call, grads, accumulate, then, asks)
     except Exception as e:
         return caught(e)
+
+
+class Backward:
+    """A backward whose gradients nobody here waits for (no argument of the call needs
+    one): it goes with the next message, done over there before what follows it (as the
+    optimizer's step, queued after it, is), so a step sends one message, not two."""
+
+    def __init__(self, name: str, call: int, grads: list, accumulate: bool):
+        self.name, self.call, self.grads, self.accumulate = name, call, grads, accumulate
+
+    def apply(self, placed: Placed) -> None:
+        # raised, it is the message's: the next call answers Raised, rebuilt here
+        _backward_through(placed, self.name, self.call, self.grads, self.accumulate)
+
+
+def _backward_through(placed: Placed, name: str, call: int, grads: list, accumulate: bool,
+                      then: int | None = None, asks: list | None = None) -> Any:
+    got = placed.kept.get(call)
+    if got is None:
+        raise RuntimeError(
+            f"a backward reached {name!r} for a call whose graph was freed: call "
+            ".backward(retain_graph=True) the first time to go through it again")
+    leaves, outs, *fan = got
+    create = then is not None
+    fan = fan[0] if fan and not create else {}  # (under create_graph: summed here)
+    device = outs[0].device if outs else None
+    given = [None if g is None else g.to(device) for g in grads]
+    if create:
+        given = [g.detach().requires_grad_() if ask and g is not None else g
+                 for g, ask in zip(given, asks, strict=True)]
+    pairs = [(o, g) for o, g in zip(outs, given, strict=True)
+             if g is not None and o.requires_grad]
+    wanted = [leaf for leaf in leaves if leaf is not None]
+    back: list = [None] * len(wanted)
+    if pairs:
+        with span(f"backward {name}", "node"), torch.set_grad_enabled(create), \
+                heard(fan) as told:
+            o, g = [o for o, _ in pairs], [g for _, g in pairs]
+            if accumulate:  # the weights' .grad too; the arguments' read and let go
+                for leaf in wanted:
+                    leaf.grad = None
+                torch.autograd.backward(o, g, retain_graph=True, create_graph=create)
+                back = [leaf.grad for leaf in wanted]
+                for leaf in wanted:
+                    leaf.grad = None
+            elif wanted:
+                back = list(torch.autograd.grad(o, wanted, g, retain_graph=True,
+                                                create_graph=create, allow_unused=True))
+        for i, uses in told.items():  # each use's gradient, in the order they were added
+            back[i] = [None if u is None else u.cpu() for u in uses]
+    it = iter(back)
+    back = [None if leaf is None else next(it) for leaf in leaves]
+    if not create:
+        return [b.cpu() if isinstance(b, torch.Tensor) else b for b in back]
+    kept_outs = [b for b in back if b is not None]
+    if any(t.requires_grad for t in kept_outs):
+        placed.kept[then] = ([g if ask else None for g, ask in zip(given, asks, strict=True)]
+                             + wanted, kept_outs)
+    return ([None if b is None else b.detach().cpu() for b in back],
+            [b is not None and b.requires_grad for b in back])

@@ -1,0 +1,160 @@
+/* Keyed BLAKE3 of many rows of one length at once: what somatize/store/_rows.py
+ * compiles and loads (ctypes) to name a batch's items in one call.
+ *
+ *     somatize_rows(data, n, rb, key, out);  // out[16 i ..]: BLAKE3-keyed(key, row i)[:16]
+ *
+ * Written from the BLAKE3 specification (chunks of 1024 bytes, blocks of 64, 7 rounds,
+ * a left subtree of the largest power of two of chunks below the whole). Every row of a
+ * batch has the same length, so 16 rows go through the same steps side by side, one row
+ * per vector lane: the SIMD width the one-call BLAKE3 of the whole batch has, where one
+ * call per row fills 3 lanes of 16 (a row of 3 KB). _rows.py checks what it computes
+ * against the blake3 package before using it. Little-endian hosts (the check says).
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define LANES 16
+typedef uint32_t v32 __attribute__((vector_size(4 * LANES)));
+
+static const uint32_t IV[8] = {0x6A09E667u, 0xBB67AE85u, 0x3C6EF372u, 0xA54FF53Au,
+                               0x510E527Fu, 0x9B05688Cu, 0x1F83D9ABu, 0x5BE0CD19u};
+enum { CHUNK_START = 1, CHUNK_END = 2, PARENT = 4, ROOT = 8, KEYED = 16 };
+
+static inline v32 rotr(v32 x, int n) { return (x >> n) | (x << (32 - n)); }
+
+#define G(a, b, c, d, x, y)                      \
+    do {                                         \
+        s[a] += s[b] + (x); s[d] = rotr(s[d] ^ s[a], 16); \
+        s[c] += s[d]; s[b] = rotr(s[b] ^ s[c], 12);       \
+        s[a] += s[b] + (y); s[d] = rotr(s[d] ^ s[a], 8);  \
+        s[c] += s[d]; s[b] = rotr(s[b] ^ s[c], 7);        \
+    } while (0)
+
+/* the message words each round reads (the permutation applied r times) */
+static const uint8_t SCHED[7][16] = {
+    {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15},
+    {2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8},
+    {3, 4, 10, 12, 13, 2, 7, 14, 6, 5, 9, 0, 11, 15, 8, 1},
+    {10, 7, 12, 9, 14, 3, 13, 15, 4, 0, 11, 2, 5, 8, 1, 6},
+    {12, 13, 9, 11, 15, 10, 14, 8, 7, 2, 5, 3, 0, 1, 6, 4},
+    {9, 14, 11, 5, 8, 12, 15, 1, 13, 3, 0, 10, 2, 6, 4, 7},
+    {11, 15, 5, 0, 1, 9, 8, 6, 14, 10, 2, 12, 3, 4, 7, 13}};
+
+/* cv <- compress(cv, m, counter, len, flags), the first 8 words of its output */
+static inline __attribute__((always_inline)) void compress(v32 cv[8], const v32 m[16], v32 lo,
+                                                           v32 hi, uint32_t len, uint32_t flags) {
+    v32 s[16];
+    for (int i = 0; i < 8; i++) s[i] = cv[i];
+    for (int i = 0; i < 4; i++) s[8 + i] = (v32){} + IV[i];
+    s[12] = lo; s[13] = hi; s[14] = (v32){} + len; s[15] = (v32){} + flags;
+#pragma GCC unroll 7
+    for (int r = 0; r < 7; r++) {
+        const uint8_t *z = SCHED[r];
+        G(0, 4, 8, 12, m[z[0]], m[z[1]]); G(1, 5, 9, 13, m[z[2]], m[z[3]]);
+        G(2, 6, 10, 14, m[z[4]], m[z[5]]); G(3, 7, 11, 15, m[z[6]], m[z[7]]);
+        G(0, 5, 10, 15, m[z[8]], m[z[9]]); G(1, 6, 11, 12, m[z[10]], m[z[11]]);
+        G(2, 7, 8, 13, m[z[12]], m[z[13]]); G(3, 4, 9, 14, m[z[14]], m[z[15]]);
+    }
+    for (int i = 0; i < 8; i++) cv[i] = s[i] ^ s[i + 8];
+}
+
+/* the words of a block of each lane's row (bytes past the block's len are zero) */
+static inline void load(v32 m[16], const uint8_t *const rows[LANES], size_t at, size_t len) {
+#ifdef __AVX512F__
+    if (len == 64 && LANES == 16) {
+        /* 16 rows' blocks loaded, then transposed (16 x 16 words) by unpacks and shuffles */
+        __m512i r[16], t[16], u[16];
+        for (int l = 0; l < 16; l++) r[l] = _mm512_loadu_si512((const void *)(rows[l] + at));
+        for (int k = 0; k < 8; k++) {
+            t[2 * k] = _mm512_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+            t[2 * k + 1] = _mm512_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+        }
+        for (int k = 0; k < 4; k++) {
+            u[4 * k] = _mm512_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+            u[4 * k + 1] = _mm512_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+            u[4 * k + 2] = _mm512_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+            u[4 * k + 3] = _mm512_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+        }
+        /* u[4k + j], 128-bit lane L: word 4L + j of rows 4k .. 4k + 3 */
+        for (int j = 0; j < 4; j++) {
+            __m512i v0 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0x44);
+            __m512i v1 = _mm512_shuffle_i32x4(u[j], u[4 + j], 0xEE);
+            __m512i v2 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0x44);
+            __m512i v3 = _mm512_shuffle_i32x4(u[8 + j], u[12 + j], 0xEE);
+            __m512i w0 = _mm512_shuffle_i32x4(v0, v2, 0x88), w1 = _mm512_shuffle_i32x4(v0, v2, 0xDD);
+            __m512i w2 = _mm512_shuffle_i32x4(v1, v3, 0x88), w3 = _mm512_shuffle_i32x4(v1, v3, 0xDD);
+            memcpy(&m[j], &w0, 64);
+            memcpy(&m[4 + j], &w1, 64);
+            memcpy(&m[8 + j], &w2, 64);
+            memcpy(&m[12 + j], &w3, 64);
+        }
+        return;
+    }
+#endif
+    uint32_t w[LANES][16];
+    for (int l = 0; l < LANES; l++) {
+        if (len == 64) memcpy(w[l], rows[l] + at, 64);
+        else { memset(w[l], 0, 64); memcpy(w[l], rows[l] + at, len); }
+    }
+    for (int i = 0; i < 16; i++)
+        for (int l = 0; l < LANES; l++) m[i][l] = w[l][i]; /* little-endian hosts only */
+}
+
+static void parent(v32 out[8], const v32 l[8], const v32 r[8], const v32 key[8],
+                   uint32_t flags) {
+    v32 m[16];
+    for (int i = 0; i < 8; i++) { m[i] = l[i]; m[8 + i] = r[i]; }
+    for (int i = 0; i < 8; i++) out[i] = key[i];
+    compress(out, m, (v32){}, (v32){}, 64, flags | PARENT);
+}
+
+/* the CV of chunks [first, first + n) of every lane's row; root: the whole row's output */
+static void subtree(v32 out[8], const uint8_t *const rows[LANES], size_t rb, uint64_t first,
+                    uint64_t n, const v32 key[8], int root) {
+    if (n == 1) {
+        size_t at = (size_t)first * 1024, end = at + 1024 < rb ? at + 1024 : rb;
+        size_t blocks = end > at ? (end - at + 63) / 64 : 1;
+        v32 m[16], lo = (v32){} + (uint32_t)first, hi = (v32){} + (uint32_t)(first >> 32);
+        for (int i = 0; i < 8; i++) out[i] = key[i];
+        for (size_t b = 0; b < blocks; b++) {
+            size_t off = at + b * 64, len = end - off < 64 ? end - off : 64;
+            if (end <= off) len = 0;
+            uint32_t f = KEYED | (b == 0 ? CHUNK_START : 0);
+            if (b + 1 == blocks) f |= CHUNK_END | (root ? ROOT : 0);
+            load(m, rows, off, len);
+            compress(out, m, lo, hi, (uint32_t)len, f);
+        }
+        return;
+    }
+    uint64_t left = 1;
+    while (left * 2 < n) left *= 2; /* the largest power of two below n */
+    v32 l[8], r[8];
+    subtree(l, rows, rb, first, left, key, 0);
+    subtree(r, rows, rb, first + left, n - left, key, 0);
+    parent(out, l, r, key, KEYED | (root ? ROOT : 0));
+}
+
+/* out[16 * i ...]: the first 16 bytes of BLAKE3-keyed(key, row i), rows of rb bytes */
+void somatize_rows(const uint8_t *data, uint64_t n, uint64_t rb, const uint8_t key32[32],
+                   uint8_t *out) {
+    v32 key[8];
+    uint32_t kw[8];
+    memcpy(kw, key32, 32);
+    for (int i = 0; i < 8; i++) key[i] = (v32){} + kw[i];
+    uint64_t chunks = rb ? (rb + 1023) / 1024 : 1;
+    for (uint64_t i = 0; i < n; i += LANES) {
+        const uint8_t *rows[LANES];
+        for (int l = 0; l < LANES; l++)
+            rows[l] = data + rb * (i + l < n ? i + l : n - 1); /* short: the last row again */
+        v32 cv[8];
+        subtree(cv, rows, rb, 0, chunks, key, 1);
+        for (int l = 0; l < LANES && i + l < n; l++)
+            for (int w = 0; w < 4; w++) {
+                uint32_t v = cv[w][l];
+                memcpy(out + 16 * (i + l) + 4 * w, &v, 4);
+            }
+    }
+}

@@ -1,0 +1,66 @@
+"""Per-item keys in one native call: the same bytes as keyed BLAKE3 row by row."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from blake3 import blake3
+
+from somatize.store import _rows
+from somatize.torch.cache._per_item import CONTEXT, item_keys, module_key
+
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                              reason="no C compiler: rows are hashed one call each")
+
+
+def one_by_one(mkey: str, x: torch.Tensor) -> list[bytes]:
+    """The per-item key as docs/per-item.md defines it, one blake3 call per row."""
+    key = blake3(bytes.fromhex(mkey) + f"{x.dtype}{list(x.shape[1:])}".encode(),
+                 derive_key_context=CONTEXT).digest()
+    raw = x.contiguous().reshape(x.shape[0], -1).view(torch.uint8).numpy().tobytes()
+    rb = len(raw) // x.shape[0]
+    return [blake3(raw[i * rb:(i + 1) * rb], key=key).digest(16) for i in range(x.shape[0])]
+
+
+@needs_cc
+def test_the_native_hasher_is_built_checked_and_used_here(tmp_path, monkeypatch):
+    monkeypatch.setenv("SOMATIZE_NATIVE_DIR", str(tmp_path))
+    fn = _rows._load()
+    assert fn is not None
+    assert [p.name[:5] for p in tmp_path.iterdir()] == ["rows-"]
+    assert _rows.native() is not None  # the process's own, used by item_keys
+
+
+@needs_cc
+@pytest.mark.parametrize("shape,dtype", [
+    ((256, 768), torch.float32), ((17, 3), torch.float32), ((33, 256), torch.float32),
+    ((16, 1025), torch.uint8), ((5, 2, 4096), torch.float16), ((40, 512), torch.int64),
+    ((1, 7), torch.int32), ((3, 0), torch.float32), ((19, 64), torch.bool),
+])
+def test_a_batchs_keys_in_one_call_are_keyed_blake3_row_by_row(shape, dtype):
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randint(0, 2, shape, generator=g) if dtype == torch.bool
+         else torch.randint(0, 100, shape, generator=g)).to(dtype)
+    mkey = module_key("Enc", "s" * 64, None)
+    assert item_keys(mkey, x) == one_by_one(mkey, x)
+    if x.dim() == 2 and x.shape[1] > 1:  # a view: its rows' bytes, not its storage's
+        t = x.t().contiguous().t()
+        assert item_keys(mkey, t) == one_by_one(mkey, x)
+
+
+def test_without_the_native_hasher_the_keys_are_the_same(monkeypatch):
+    x = torch.rand(37, 300, generator=torch.Generator().manual_seed(5))
+    mkey = module_key("Enc", None, "v2")
+    fast = item_keys(mkey, x)
+    monkeypatch.setattr(_rows, "_native", [None])
+    assert item_keys(mkey, x) == fast == one_by_one(mkey, x)
+    assert len(set(fast)) == 37
+
+
+def test_a_row_and_its_neighbours_are_told_apart():
+    x = torch.zeros(20, 1024)
+    x[7, 1023] = 1.0  # the last byte of one row's only chunk
+    keys = item_keys(module_key("Enc", None, None), x)
+    assert keys[7] != keys[6] and keys[6] == keys[8] and len(set(keys)) == 2
