@@ -19,6 +19,7 @@ hosts = pytest.fixture(_hosts.fixture, name="hosts")  # network namespaces (test
 # is left running a long file alone at the end (`--durations=0` says which these are)
 FIRST = ["test_remote.py", "test_placed_optimizers.py", "test_dropin.py", "test_gpu_check.py",
          "test_secret.py", "test_fed_study.py", "test_hosts.py", "test_placed_edges.py",
+         "test_placed_hf.py",
          "test_docs.py", "test_microbatches_remote.py", "test_remote_reliability.py",
          "test_lightning_split.py", "test_main_job.py", "test_fed_hosts.py", "test_hydra.py"]
 
@@ -35,7 +36,8 @@ PROCESSES = {
     "test_hosts.py", "test_hydra.py", "test_items_processes.py", "test_lightning.py",
     "test_lightning_split.py", "test_main_job.py", "test_microbatches_remote.py",
     "test_mixed_routes.py", "test_packaging.py", "test_per_item.py",
-    "test_placed_edges.py", "test_placed_optimizers.py", "test_placed_ordinary.py",
+    "test_placed_edges.py", "test_placed_hf.py", "test_placed_optimizers.py",
+    "test_placed_ordinary.py",
     "test_readme.py",
     "test_refusals.py", "test_remote.py", "test_remote_failure.py",
     "test_remote_reliability.py", "test_remote_standing.py", "test_remote_torchrun.py",

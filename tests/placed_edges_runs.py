@@ -36,14 +36,14 @@ class Kept(pl.Callback):
     """How many calls' graphs the worker keeps after each step (freed as the graphs here
     are: it must not grow)."""
 
-    def __init__(self):
-        self.counts = []
+    def __init__(self, name="encoder"):
+        self.name, self.counts = name, []
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, i):
         strategy = trainer.strategy
         if isinstance(strategy, SomatizeStrategy):  # (the part's name: part() or session())
             part = getattr(strategy, "part", None) or strategy.session
-            self.counts.append(part("encoder").call("worker", _kept, "encoder"))
+            self.counts.append(part(self.name).call("worker", _kept, self.name))
 
 
 def both(make, out, place=None, data=None, extra=None, **kw):
@@ -55,7 +55,7 @@ def both(make, out, place=None, data=None, extra=None, **kw):
         strategy = "auto" if name == "plain" else SomatizeStrategy(
             place=place or {"encoder": "worker"})
         model = make()
-        kept = Kept()
+        kept = Kept(next(iter(place or {"encoder": 0})))
         _, losses, weights = fit(model, strategy, data or digits(),
                                  **{**kw, "callbacks": [*kw.get("callbacks", []), kept]})
         got[name] = (losses, weights)
@@ -67,11 +67,11 @@ def both(make, out, place=None, data=None, extra=None, **kw):
     torch.save(got, out)
 
 
-def refused(make, out, **kw):
+def refused(make, out, place="encoder", data=None, **kw):
     """What a placed fit of ``make()`` was refused with."""
     said = ""
     try:
-        fit(make(), SomatizeStrategy(place={"encoder": "worker"}), digits(), **kw)
+        fit(make(), SomatizeStrategy(place={place: "worker"}), data or digits(), **kw)
     except Refused as e:
         said = str(e)
     torch.save({"said": said}, out)
@@ -266,6 +266,7 @@ class Collects(pl.LightningModule):
         self.encoder = nn.Sequential(nn.Linear(64, 16), nn.Tanh(), nn.Linear(16, 8))
         self.head = nn.Linear(8, 64)
         self.hooked = False
+        self.seen = []
 
     def training_step(self, batch, i):
         x = batch[0]
@@ -283,6 +284,7 @@ class Collects(pl.LightningModule):
         finally:
             COLLECTOR.reset(token)
         loss = F.mse_loss(self.head(h), x) + 0.01 * sum(s.mean() for s in states)
+        self.seen.append(len(states))
         self.log("loss", loss)
         return loss
 
@@ -291,7 +293,7 @@ class Collects(pl.LightningModule):
 
 
 def contextvar(out):
-    refused(Collects, out, max_steps=3)
+    both(Collects, out, max_steps=4, extra=lambda m: m.seen)
 
 
 # -- (3) every backward ---------------------------------------------------------------
@@ -448,6 +450,37 @@ def residual(out):
     both(Residual, out, max_steps=4)
 
 
+class Fans(nn.Module):
+    """Uses its argument three times."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, h):
+        return torch.tanh(self.a(h)) * h + self.b(h)
+
+
+class FansOut(Residual):
+    """A tensor used three times inside the placed module and twice outside it, after."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = Fans()
+
+    def training_step(self, batch, i):
+        x = batch[0]
+        h = self.pre(x)
+        y = self.encoder(h)
+        loss = F.mse_loss(self.head(y * h + h.pow(2)), x)
+        self.log("loss", loss)
+        return loss
+
+
+def fan_out(out):
+    both(FansOut, out, max_steps=4)
+
+
 # -- (5) compile() before fit ---------------------------------------------------------
 
 def compiled_before(out):
@@ -508,6 +541,107 @@ class Generates(pl.LightningModule):
 
 def kv_cache(out):
     both(Generates, out, max_epochs=2, limit_train_batches=3, extra=lambda m: m.vals)
+
+
+# -- (7) an exception of the script's class, caught in the LightningModule -----------
+
+class OutOfRange(Exception):
+    """Two required arguments its __init__ turns into a message (so args is not them)."""
+
+    def __init__(self, idx, limit):
+        super().__init__(f"index {idx} over {limit}")
+        self.idx, self.limit = idx, limit
+        self.seen = [idx]
+
+
+class Checks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+        self.limit = 10
+
+    def forward(self, x):
+        if self.limit < 10:
+            raise OutOfRange(12, self.limit)
+        return self.lin(x)
+
+
+class Catches(Base):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Checks()
+        self.caught = None
+
+    def training_step(self, batch, i):
+        if i == 1:
+            self.encoder.limit = 5
+            try:
+                self.encoder(batch[0])
+            except OutOfRange as e:
+                self.caught = (type(e) is OutOfRange, type(e).__name__, e.idx, e.limit,
+                               e.seen, e.args, str(e))
+            self.encoder.limit = 10
+        return super().training_step(batch, i)
+
+
+def raised(out):
+    model = Catches()
+    fit(model, SomatizeStrategy(place={"encoder": "worker"}), digits(), max_steps=2)
+    torch.save({"caught": model.caught}, out)
+
+
+# -- (8) what is refused before the first step, in the words of place= ---------------
+
+class Layers(Base):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.ModuleList([nn.Linear(64, 8)])
+
+    def training_step(self, batch, i):
+        return F.mse_loss(self.head(self.encoder[0](batch[0])), batch[0])
+
+
+def module_list(out):
+    refused(Layers, out, max_steps=1)
+
+
+class TakesAnything(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+
+    def forward(self, x, steps=None):
+        return self.lin(x)
+
+
+class PassesAGenerator(Base):
+    def __init__(self):
+        super().__init__()
+        self.encoder = TakesAnything()
+
+    def training_step(self, batch, i):
+        h = self.encoder(batch[0], steps=(k for k in range(3)))
+        return F.mse_loss(self.head(h), batch[0])
+
+
+def generator_argument(out):
+    refused(PassesAGenerator, out, max_steps=1)
+
+
+def normed(parametrized):
+    norm = torch.nn.utils.parametrizations.weight_norm if parametrized \
+        else torch.nn.utils.weight_norm
+    model = Sequential()
+    model.encoder[2] = norm(nn.Linear(16, 8))
+    return model
+
+
+def parametrized(out):
+    refused(lambda: normed(True), out, max_steps=1)
+
+
+def weight_norm_hook(out):
+    both(lambda: normed(False), out, max_steps=4)
 
 
 def many(out, *cases):

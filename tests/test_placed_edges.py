@@ -12,7 +12,8 @@ from scenario import scenario
 RUNS = "placed_edges_runs.py"
 pytestmark = pytest.mark.timeout(1500)  # one process runs every case (RPC starts once)
 CASES = ["attributes", "unpicklable", "structure", "hooks", "hook_outside", "contextvar",
-         "pinn", "wgan", "twice", "fgsm", "residual", "compiled_before", "kv_cache"]
+         "pinn", "wgan", "twice", "fgsm", "residual", "fan_out", "compiled_before", "kv_cache",
+         "raised", "module_list", "generator_argument", "parametrized", "weight_norm_hook"]
 
 
 @pytest.fixture(scope="module")
@@ -70,21 +71,23 @@ def test_a_childs_hook_that_writes_outside_its_module_is_refused_at_that_call(ra
     assert "Set what the hook records as an attribute of its module" in said
 
 
-def test_hooks_that_read_a_context_variable_of_this_process_are_refused_naming_it(ran):
+def test_hooks_that_read_a_context_variable_of_this_process_read_its_value_there(ran):
     # Hugging Face's output_hidden_states in miniature: hooks put lazily on the placed
-    # encoder's layers, closures over a ContextVar collector set here
-    said = ran("contextvar")["said"]
-    assert said.startswith("a hook on encoder.0, Collects.training_step.<locals>.hook")
-    assert "reads the context variable 'collected' of this process" in said
-    assert "Place a module whose children's hooks do not read it" in said
+    # encoder's layers, closures over a ContextVar whose collector is set here; the
+    # collector travels with each call and what the hooks appended to it comes back
+    got = ran("contextvar")
+    exact(got)
+    assert got["split_seen"] == got["plain_seen"] == [3] * 4
 
 
 def close(got, steps=4):
-    # gradient contributions of two calls in one backward pass are summed over there call
-    # by call (docs/ordinary.md): losses equal, weights within float32's rounding
+    # a call and its create_graph answer each run a backward pass over there, each adding
+    # its contributions to the weights' .grad in turn, where one piece sums them all in one
+    # pass (docs/ordinary.md): the first losses equal, then within float32's rounding
     plain_losses, plain = got["plain"]
     split_losses, split = got["split"]
-    assert len(plain_losses) >= steps and split_losses == plain_losses
+    assert len(plain_losses) >= steps and split_losses[:2] == plain_losses[:2]
+    assert torch.allclose(torch.tensor(split_losses), torch.tensor(plain_losses), rtol=1e-6)
     for k in plain:
         assert torch.allclose(split[k], plain[k], rtol=1e-6, atol=1e-7), k
     kept_after_each_step(got)
@@ -110,6 +113,11 @@ def test_a_tensor_used_once_inside_the_placed_module_and_twice_outside_is_exact(
     exact(ran("residual"))
 
 
+def test_a_tensor_used_thrice_inside_the_placed_module_and_twice_outside_is_exact(ran):
+    # each use's gradient comes back apart, for the engine here to add them in plain's order
+    exact(ran("fan_out"))
+
+
 def test_compile_in_place_before_fit_is_refused_naming_the_module(ran):
     said = ran("compiled_before")["said"]
     assert said.startswith("encoder.2.compile() was called in place before fit")
@@ -121,3 +129,38 @@ def test_an_argument_object_the_module_appends_to_changes_here(ran):
     got = ran("kv_cache")
     exact(got, steps=6)
     assert got["split_seen"] == got["plain_seen"] and got["plain_seen"][0][0] == 3
+
+
+def test_an_exception_of_the_scripts_class_is_caught_here_with_its_attributes(ran):
+    # OutOfRange(idx, limit): two required arguments, a message made of them; rebuilt here
+    # without its __init__ again (on main: a WorkerError subclass, idx and limit lost)
+    same_class, name, idx, limit, seen, args, said = ran("raised")["caught"]
+    assert same_class and name == "OutOfRange" and (idx, limit, seen) == (12, 5, [12])
+    assert said.startswith("index 12 over 5 (raised in module 'encoder' on worker 'worker'")
+    assert args == (said,)
+
+
+def test_a_module_list_placed_is_refused_at_placement_naming_its_children(ran):
+    said = ran("module_list")["said"]
+    assert said.startswith("'encoder' is placed (place={'encoder': 'worker'}) but is a "
+                           "ModuleList, which has no forward of its own")
+    assert "Place its children by name (place={'encoder.0': ...})" in said
+
+
+def test_an_argument_that_cannot_be_sent_is_refused_naming_the_module_and_argument(ran):
+    said = ran("generator_argument")["said"]
+    assert said.startswith("'encoder' was called with argument 'steps' (generator), which "
+                           "cannot be sent to worker 'worker'")
+    assert "a list instead of a generator" in said
+
+
+def test_a_parametrized_weight_norm_is_refused_in_the_words_of_place(ran):
+    said = ran("parametrized")["said"]
+    assert said.startswith("module 'encoder' (Sequential) is placed (place={'encoder': "
+                           "'worker'}) but cannot be sent to worker 'worker'")
+    assert "encoder.2 is parametrized" in said and ".at(" not in said
+    assert "Use torch.nn.utils.weight_norm (the hook form, which pickles)" in said
+
+
+def test_the_hook_form_of_weight_norm_that_the_refusal_advises_is_exact(ran):
+    exact(ran("weight_norm_hook"))

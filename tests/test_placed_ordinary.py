@@ -8,6 +8,7 @@ import collections
 import dataclasses
 import itertools
 import pickle
+import threading
 
 import pytest
 import torch
@@ -217,15 +218,34 @@ class NeedsTwo(ValueError):
         self.b = b
 
 
-def test_an_exception_that_cannot_be_rebuilt_is_both_a_worker_error_and_its_own_type():
+class HoldsALock(ValueError):
+    """An exception with an attribute that does not pickle."""
+
+    def __init__(self, a):
+        super().__init__(a)
+        self.lock = threading.Lock()
+
+
+def test_an_exception_is_rebuilt_with_its_attributes_without_its_init_again():
     try:
         raise NeedsTwo("half", 2)
     except NeedsTwo as e:
         r = caught(e)
     e = rebuilt(r, "module 'enc' on worker 'w'")
-    assert isinstance(e, WorkerError) and isinstance(e, NeedsTwo) and isinstance(e, ValueError)
-    assert "module 'enc' on worker 'w' raised NeedsTwo: half" in str(e)
+    assert type(e) is NeedsTwo and e.b == 2  # on a708fa3: a WorkerError subclass, b lost
+    assert e.args == ("half (raised in module 'enc' on worker 'w')",)
     assert "NeedsTwo: half" in str(e.__cause__) and "test_placed_ordinary.py" in str(e.__cause__)
+
+
+def test_an_exception_that_cannot_be_rebuilt_is_both_a_worker_error_and_its_own_type():
+    try:
+        raise HoldsALock("half")
+    except HoldsALock as e:
+        r = caught(e)
+    e = rebuilt(r, "module 'enc' on worker 'w'")
+    assert isinstance(e, WorkerError) and isinstance(e, HoldsALock) and isinstance(e, ValueError)
+    assert "module 'enc' on worker 'w' raised HoldsALock: half" in str(e)
+    assert "HoldsALock: half" in str(e.__cause__)
     try:
         raise KeyError("k")
     except KeyError as e:

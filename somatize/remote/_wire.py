@@ -197,6 +197,33 @@ def graph_for(graph, host: str) -> tuple[bytes, list]:
         raise _refusal(sent, host, e) from None
 
 
+def _placed(o: Any) -> bool:
+    from ..torch.placed._there import Placed
+
+    return isinstance(o, Placed)
+
+
+def _placed_refusal(name: str, o: Any, host: str, why: Exception) -> Refused:
+    # the module as the user placed it: its path in place=, and what to do
+    import torch
+
+    parametrized = [p for p, m in o.module.named_modules()
+                    if torch.nn.utils.parametrize.is_parametrized(m)]
+    if parametrized:
+        where = f"{name}.{parametrized[0]}" if parametrized[0] else name
+        advice = (f"{where} is parametrized (torch.nn.utils.parametrizations: weight_norm, "
+                  "spectral_norm...), which torch pickles only through its state_dict. Use "
+                  "torch.nn.utils.weight_norm (the hook form, which pickles), or leave "
+                  f"{name!r} unplaced")
+    else:
+        advice = ("Make it picklable (a __getstate__ that leaves out locks, files and sockets, "
+                  f"rebuilt in __setstate__), or leave {name!r} unplaced")
+    return Refused(
+        f"module {name!r} ({type(o.module).__name__}) is placed (place={{{name!r}: {host!r}}}) "
+        f"but cannot be sent to worker {host!r}: it does not pickle ({type(why).__name__}: "
+        f"{str(why).split('. ')[0]}). {advice}")
+
+
 def _refusal(sent, host: str, e: Exception) -> Refused:
     from ..torch._pickling import dumps
 
@@ -206,6 +233,8 @@ def _refusal(sent, host: str, e: Exception) -> Refused:
         try:
             dumps(o)
         except Exception as why:
+            if _placed(o):  # placed by name: SomatizeStrategy(place=...)
+                return _placed_refusal(node_of(n), o, host, why)
             what = (f"the trainer of node {node_of(n)!r} ({kind_of(o)})"
                     if isinstance(o, Learning) else f"node {node_of(n)!r} ({kind_of(o)})")
             return Refused(

@@ -1,6 +1,9 @@
 """An exception raised over there, raised here as its own type: the same class (pickled
 by value when the script defines it), the worker's traceback as its ``__cause__``, the
-module and worker named. One that cannot be rebuilt here is raised as a class deriving
+module and worker named. An exception of a class of the user's travels as its class, its
+``args`` and its attributes, and is rebuilt without calling its ``__init__`` again (which
+may want other arguments than ``args``, or set its attributes from them): ``e.idx`` is
+what it was over there. One that cannot be rebuilt here is raised as a class deriving
 from both ``WorkerError`` and its own; a lost worker stays ``WorkerError``.
 
     try: out = fn(...)                   # over there
@@ -23,13 +26,15 @@ from .._errors import WorkerError
 @dataclass(frozen=True)
 class Raised:
     """An exception as it travels back: itself pickled (when it pickles), its class,
-    message and formatted traceback."""
+    message and formatted traceback; for a class of the user's, its class, args and
+    attributes (``parts``)."""
 
     blob: bytes | None
     cls: bytes | None
     name: str
     message: str
     trace: str
+    parts: bytes | None = None
 
 
 class WorkerTraceback(Exception):
@@ -54,7 +59,42 @@ def caught(e: BaseException) -> Raised:
         cls = cloudpickle.dumps(type(e), protocol=pickle.HIGHEST_PROTOCOL)
     except Exception:
         pass
-    return Raised(blob, cls, type(e).__name__, str(e), trace)
+    parts = None
+    if _plain_class(type(e)):
+        try:
+            parts = cloudpickle.dumps((type(e), e.args, _attributes(e)),
+                                      protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:
+            pass
+    return Raised(blob, cls, type(e).__name__, str(e), trace, parts)
+
+
+def _plain_class(cls: type) -> bool:
+    # a class of the user's whose pickling is BaseException's: (cls, args) + __dict__,
+    # which calls its __init__ with args again
+    return cls.__module__ != "builtins" and cls.__reduce_ex__ is BaseException.__reduce_ex__ \
+        and cls.__reduce__ is BaseException.__reduce__
+
+
+def _attributes(e: BaseException) -> tuple[dict, dict]:
+    # its __dict__, and what its classes' __slots__ hold
+    slots = {k: getattr(e, k) for c in type(e).__mro__ if c.__module__ != "builtins"
+             for k in c.__dict__.get("__slots__", ()) if isinstance(k, str) and hasattr(e, k)}
+    return dict(getattr(e, "__dict__", {})), slots
+
+
+def _from_parts(r: Raised) -> BaseException | None:
+    # its class, args and attributes, as they were over there: no __init__ runs again
+    try:
+        cls, args, (attributes, slots) = pickle.loads(r.parts)
+        e = cls.__new__(cls, *args)
+        e.args = args
+        e.__dict__.update(attributes)
+        for k, v in slots.items():
+            setattr(e, k, v)
+    except Exception:
+        return None
+    return e if isinstance(e, BaseException) else None
 
 
 def rebuilt(r: Raised, where: str) -> BaseException:
@@ -85,12 +125,14 @@ def _named(trace: str) -> str:
 
 
 def _instance(r: Raised, where: str) -> BaseException | None:
-    if r.blob is None:
-        return None
-    try:
-        e = pickle.loads(r.blob)
-    except Exception:
-        return None
+    e = _from_parts(r) if r.parts is not None else None
+    if e is None:
+        if r.blob is None:
+            return None
+        try:
+            e = pickle.loads(r.blob)
+        except Exception:
+            return None
     if not isinstance(e, BaseException):
         return None
     if len(e.args) == 1 and isinstance(e.args[0], str) and str(e) == e.args[0] \

@@ -33,7 +33,7 @@ from .._state import restore
 from ._fresh import fresh, unfresh
 from ._messages import Bare, Call, Pickled, Same, pack, spread, unpack
 from ._module_ops import Free, Sent
-from ._ordinary import into
+from ._ordinary import into, unsendable
 from ._routing import Routing
 from ._there import Backward, _applied, _backward, _call, _state, _weights
 from ._tree import tree_flatten, tree_unflatten
@@ -51,10 +51,14 @@ class _Remote(torch.autograd.Function):
     What the call keeps over there is freed when this node is (``_Ticket``)."""
 
     @staticmethod
-    def forward(ctx, link, number, needs, outs, alive, acc, anchor, *inputs):
+    def forward(ctx, link, number, needs, outs, alive, acc, anchor, uses, *inputs):
         ctx.set_materialize_grads(False)
         ctx.link, ctx.number, ctx.needs, ctx.acc = link, number, needs, acc
         ctx.ticket = _Ticket(link, number)
+        ctx.uses = uses
+        if uses:  # an argument used k times over there stands k times here (_node)
+            at = itertools.accumulate(uses, initial=0)
+            inputs = tuple(inputs[i] for i in itertools.islice(at, len(uses)))
         ctx.inputs = inputs  # (held, not saved: a later in-place write here is no error)
         ctx.mark_non_differentiable(*[t for t, a in zip(outs, alive, strict=True)
                                       if not (a and t.is_floating_point())])
@@ -63,7 +67,44 @@ class _Remote(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         back = ctx.link._backward(ctx, grads)
-        return (None, None, None, None, None, None, None, *back)
+        if ctx.uses:  # each use's gradient apart: the engine adds them as plain autograd does
+            back = [g for b, k in zip(back, ctx.uses, strict=True)
+                    for g in (b + [None] * (k - len(b)) if isinstance(b, list)
+                              else [b] + [None] * (k - 1))]
+        return (None, None, None, None, None, None, None, None, *back)
+
+
+def _to(g: Any, here: torch.device) -> Any:
+    # a gradient, or each use's (an argument used more than once over there)
+    if isinstance(g, list):
+        return [None if u is None else u.to(here) for u in g]
+    return None if g is None else g.to(here)
+
+
+def _held(values: dict, tensors: list, held: list) -> tuple:
+    # the carried values without their tensors (the hidden states collected so far: a hook
+    # over there appends, and reads no values): each stands as Same, the caller's own
+    flat, spec = tree_flatten(values)
+    at = {id(t): i for i, t in enumerate(tensors)}
+    for k, v in enumerate(flat):
+        if isinstance(v, torch.Tensor):
+            i = at.get(id(v))
+            if i is None:
+                i = at[id(v)] = len(tensors) + len(held)
+                held.append(v)
+            flat[k] = Same(i)
+    return spec, flat
+
+
+def _values(carried: dict) -> dict:
+    # each carried variable's value here, by its token (one not set here: not sent)
+    values = {}
+    for key, var in carried.items():
+        try:
+            values[key] = var.get()
+        except LookupError:
+            pass
+    return values
 
 
 class _Ticket:
@@ -135,11 +176,21 @@ class Link:
         sent = self.sent
         sent.writes(self.ops)
         self.routing.hooks(self.ops)  # put on its children here since: they run there
-        structure = spread(args, kwargs)  # distinct tensors only: no structure to pickle
+        carried = self.routing.carried  # context variables its children's hooks read
+        tree = (args, kwargs, _values(carried)) if carried else (args, kwargs)
+        # distinct tensors only: no structure to pickle
+        structure = None if carried else spread(args, kwargs)
+        held: list = []  # tensors the carried values hold (they stay here: _held)
         if structure is None:
             flat, spec = tree_flatten((args, kwargs))
             tensors, plain = pack(flat)
-            structure = Pickled(dumps((spec, plain)))  # the script's classes by value
+            told = (spec, plain)
+            if carried:
+                told = (spec, plain, *_held(tree[2], tensors, held))
+            try:
+                structure = Pickled(dumps(told))  # the script's classes by value
+            except Exception as e:
+                raise unsendable(self.name, self.host, args, kwargs, e) from None
         else:
             tensors = [*args, *kwargs.values()]
         grad = torch.is_grad_enabled()
@@ -169,23 +220,29 @@ class Link:
         self.stale = self.stale or self.buffered  # its buffers may have moved over there
         if answer.kept:  # something over there asks for dL/d(outputs): the call is in the graph
             outs = self._node(call.number, needs, outs, answer.alive,
-                              [t for t, need in zip(tensors, needs, strict=True) if need])
+                              [t for t, need in zip(tensors, needs, strict=True) if need],
+                              answer.uses)
         out = answer.structure
         if type(out) is Bare:  # one tensor, or a tuple of them
             return outs[0] if out.lone else tuple(outs)
         out_spec, out_plain = pickle.loads(out.blob)
-        out_plain = [tensors[p.i] if isinstance(p, Same) else p for p in out_plain]
+        here = tensors + held if held else tensors
+        out_plain = [here[p.i] if isinstance(p, Same) else p for p in out_plain]
         out, side, changed = tree_unflatten(unpack(outs, out_plain), out_spec)
         sent.attributes.left(side)  # an auxiliary loss the forward set on self
         if changed is not None:  # a cache it appended to, a tensor it wrote into
-            into((args, kwargs), changed, self.name)
+            into(tree, changed, self.name)
         return out
 
-    def _node(self, number: int, needs: list, outs: list, alive: list, inputs: list) -> tuple:
-        # the call as a node of the graph here (its anchor tells .backward() from grad())
+    def _node(self, number: int, needs: list, outs: list, alive: list, inputs: list,
+              uses: tuple = ()) -> tuple:
+        # the call as a node of the graph here (its anchor tells .backward() from grad());
+        # an argument the forward used k times over there is an input k times
         anchor = torch.empty(0, requires_grad=True)
         acc = torch.autograd.graph.get_gradient_edge(anchor).node
-        return _Remote.apply(self, number, needs, outs, alive, acc, anchor, *inputs)
+        if uses:
+            inputs = [t for t, k in zip(inputs, uses, strict=True) for _ in range(k)]
+        return _Remote.apply(self, number, needs, outs, alive, acc, anchor, uses, *inputs)
 
     def _freed(self) -> tuple:
         freed, self.freed = self.freed, []
@@ -224,8 +281,7 @@ class Link:
             return []
         back = self._rpc(_backward, self.name, number, crossing, ops, accumulate)
         here = self.here
-        return [None if g is None else g.to(here)
-                for g, need in zip(back, needs, strict=True) if need]
+        return [_to(g, here) for g, need in zip(back, needs, strict=True) if need]
 
     def _rpc(self, fn: Any, *args: Any) -> Any:
         # the worker runs calls in the order they were sent, each with what was queued

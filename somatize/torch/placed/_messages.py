@@ -74,7 +74,9 @@ class Answer:
     """A call's answer: the output's tensors (detached, on the CPU) and how its
     structure travels, which of them carry a gradient over there, the RNG state the
     forward left (None when the call drew from a seed of its own), the worker's pid,
-    and whether the call waits for a backward (a frozen module's does not)."""
+    whether the call waits for a backward (a frozen module's does not), and how many
+    uses the forward made of each argument that asks for a gradient, when one was used
+    more than once (``_there.fans``)."""
 
     tensors: list
     structure: Bare | Pickled
@@ -82,6 +84,7 @@ class Answer:
     rng: torch.Tensor | None
     pid: int
     kept: bool
+    uses: tuple = ()
 
 
 class TensorHere:

@@ -21,6 +21,8 @@ from ..._errors import Refused
 from .._pickling import dumps
 from .._private import ROUTED_CALL, plainly, registered, structure
 from ._looks import looks, mutable
+from ._messages import pack
+from ._tree import tree_flatten
 
 _NONE = object()
 # what every module holds in its __dict__ (its registries, hooks, mode; what routes its
@@ -279,3 +281,22 @@ def _item(container: Any, k: Any, there: Any, name: str, where: str) -> None:
         into(here, there, name, where)
     else:
         container[k] = there
+
+
+def unsendable(name: str, host: str, args: tuple, kwargs: dict, e: Exception) -> Refused:
+    """The refusal of a call whose arguments do not pickle, naming the argument."""
+    named = [(f"argument {i}", a) for i, a in enumerate(args)] + [
+        (f"argument {k!r}", v) for k, v in kwargs.items()]
+    which = "its arguments"
+    for what, value in named:
+        try:
+            flat, spec = tree_flatten(value)
+            dumps((spec, pack(flat)[1]))
+        except Exception as why:
+            which, e = f"{what} ({type(value).__name__})", why
+            break
+    return Refused(
+        f"{name!r} was called with {which}, which cannot be sent to worker {host!r} where "
+        f"{name!r} runs (place={{{name!r}: {host!r}}}; {type(e).__name__}: {e}). Pass what "
+        "pickles (a list instead of a generator, plain data instead of an open file or a "
+        f"lock), or leave {name!r} unplaced")

@@ -1,11 +1,13 @@
 """What a hook on a placed module's child can reach outside its module: the objects its
 closure holds, the globals it names, the object it is a method of. The child runs over
-there, so a hook that writes into one of them writes into the worker's copy, and one
-that reads this process's context (a ``ContextVar``) reads the worker's: the first is
-refused at the call that does it, the second before the hook is sent.
+there, so a hook that writes into one of them writes into the worker's copy (refused at
+the call that does it), and one that reads this process's context (a ``ContextVar``,
+held itself or by an object it names: Hugging Face's ``_active_collector``) would read
+the worker's: those variables are carried, their values here set over there around
+each call and what the hooks changed in them brought back (``_here``, ``_there``).
 
     reach(hook)       # [("features", {}), ...]: what a look before and after compares
-    contexts(hook)    # ["_collector"]: context variables it reads
+    contexts(hook)    # [ContextVar("collector")]: context variables it reads
 """
 
 from __future__ import annotations
@@ -61,9 +63,15 @@ def reach(fn: Any) -> list:
             if not isinstance(v, torch.nn.Module) and mutable(v)]
 
 
-def contexts(fn: Any) -> list[str]:
-    """The names of the context variables ``fn`` reads (this process's, not the worker's)."""
-    return [n for n, v in _named(fn) if isinstance(v, contextvars.ContextVar)]
+def contexts(fn: Any) -> list[contextvars.ContextVar]:
+    """The context variables ``fn`` reads: named by it, or held by an object it names."""
+    found = []
+    for _, v in _named(fn):
+        held = [v] if isinstance(v, contextvars.ContextVar) else [
+            x for x in (getattr(v, "__dict__", None) or {}).values()
+            if isinstance(x, contextvars.ContextVar)] if not isinstance(v, type) else []
+        found += [x for x in held if all(x is not y for y in found)]
+    return found
 
 
 def described(fn: Any) -> str:

@@ -5,7 +5,8 @@ nothing in its pickles. The module's own hooks run here, around the call; its
 children's run over there, where the children run: one put on a child here after the
 module was sent goes before the next call (``SetHooks``). What took the calls away (an
 in-place ``compile()``, before fit or during it) is refused by name, and so is a hook
-that reads this process's context variables.
+that reads this process's context variables is sent with them carried (``carried``:
+their values travel with each call).
 
     routing = Routing(link); routing.install()    # module(x) calls link.forward(x)
     routing.check(); routing.hooks(ops)           # before each step, each call
@@ -23,9 +24,9 @@ from typing import Any
 import torch
 
 from ..._errors import Refused
-from .._pickling import dumps
+from .._pickling import dumps, token
 from .._private import hook_count, hook_dicts, hooks_of, own_call, route_calls, routed_to, set_hooks
-from ._reach import contexts, described
+from ._reach import contexts
 
 _NO = object()
 
@@ -55,10 +56,20 @@ class Routing:
         self.routes: dict[int, Any] = {}  # id(module) -> what its calls are routed to
         self.hooked: list[int] = []  # per child: its hooks when last looked at
         self.routed: list = []
+        self.carried: dict[str, Any] = {}  # the context variables children's hooks read
 
     def install(self) -> None:
         module = self.link.module
         name = self.link.name
+        if type(module).forward is torch.nn.Module.forward:  # a ModuleList, a ModuleDict
+            kids = [f"{name}.{k}" for k, _ in module.named_children()]
+            raise Refused(
+                f"{name!r} is placed (place={{{name!r}: {self.link.host!r}}}) but is a "
+                f"{type(module).__name__}, which has no forward of its own: the model calls "
+                "its children one by one, so nothing would run over there. Place its "
+                f"children by name (place={{{', '.join(repr(k) + ': ...' for k in kids[:2])}"
+                f"{', ...' if len(kids) > 2 else ''}}}) or the module that holds {name!r} "
+                "and calls them")
         for path, m in module.named_modules():
             if routed_to(m) is not None:  # compiled in place before fit
                 where = f"{name}.{path}" if path else name
@@ -73,6 +84,7 @@ class Routing:
         for path, child in self.children:
             self.routes[id(child)] = functools.partial(self._here, path, child)
         self.routed = list(module.modules())
+        self.carried = {}
         for m in self.routed:
             route_calls(m, self.routes[id(m)])
         for path, child in self.children:
@@ -120,19 +132,12 @@ class Routing:
                     f"(torch.compile(module) as a submodule), or leave {name!r} unplaced")
 
     def _contexts(self, path: str, child: torch.nn.Module) -> None:
-        # a hook that reads this process's context variables cannot run over there
-        name = self.link.name
+        # a hook that reads this process's context variables: each is carried, its value
+        # here set over there around every call (what the hooks change in it comes back)
         for fn in (f for d in hooks_of(child).values() if isinstance(d, dict)
                    for f in d.values() if callable(f)):
-            read = contexts(fn)
-            if read:
-                raise Refused(
-                    f"a hook on {name}.{path}, {described(fn)}, reads the context variable "
-                    f"{read[0]!r} of this process; {name!r} is placed (place={{{name!r}: "
-                    f"{self.link.host!r}}}) and {name}.{path} runs on the worker, where the "
-                    "hook would read the worker's. Place a module whose children's hooks do "
-                    f"not read it (a submodule inside {name}.{path}, or one that holds "
-                    f"{name!r} whole with what sets the variable), or leave {name!r} unplaced")
+            for var in contexts(fn):
+                self.carried.setdefault(token(var), var)
 
     def hooks(self, ops: list) -> None:
         """Queue the hooks put on children here (or removed) since the module was sent:

@@ -27,15 +27,17 @@ import torch
 from ..._errors import Refused, WorkerError
 from ..._trace import span
 from .._module import ModuleNode
-from .._pickling import dumps
+from .._pickling import dumps, stand_in
 from .._private import hooks_of, version, versions
 from .._raised import Raised, caught
 from .._seeds import seeded
 from .._state import on_cpu
+from ._fans import fans, heard
 from ._looks import looks, mutable
 from ._messages import Answer, Call, Pickled, Same, bare, pack, unpack
 from ._ordinary import _OWN
 from ._reach import described, reach
+from ._registries import register, registered
 from ._tree import tree_flatten, tree_unflatten
 
 
@@ -46,9 +48,10 @@ class Placed(ModuleNode):
 
     def __init__(self, module: torch.nn.Module):
         super().__init__(module)
-        self.kept: dict[int, tuple[list, list]] = {}
+        self.kept: dict[int, tuple] = {}  # (leaves, outputs, fans)
         self.mirrors: dict[int, torch.optim.Optimizer] = {}
         self.chosen: torch.optim.Optimizer | None = None
+        self.registered = registered(module)  # what building it registered here
 
 
 def _apply(placed: Placed, ops: list) -> None:
@@ -105,12 +108,15 @@ def _call(live, name: str, call: Call) -> Answer | Raised:
     try:
         placed = live.catalog[name]
         dev = _settled_on(placed, call.device)
+        if placed.registered:  # before its first call: what building it registered here
+            register(placed.registered)
+            placed.registered = ()
         tensors = [t.to(dev) for t in call.tensors]
         _apply(placed, call.ops)
         structure = call.structure
         if type(structure) is Pickled:
             try:
-                spec, plain = pickle.loads(structure.blob)
+                spec, plain, *carried = pickle.loads(structure.blob)
             except Exception as e:
                 raise WorkerError(
                     f"the worker could not read the arguments of a call to {name!r} "
@@ -118,7 +124,7 @@ def _call(live, name: str, call: Call) -> Answer | Raised:
                     "there (installed, or on its PYTHONPATH) or defined in your script"
                 ) from None
         else:
-            spec, plain = None, structure
+            spec, plain, carried = None, structure, ()
         with contextlib.ExitStack() as under:
             if type(call.rng) is int:  # a seed of its own: no RNG state crossed
                 under.enter_context(seeded(call.rng, dev))
@@ -130,13 +136,13 @@ def _call(live, name: str, call: Call) -> Answer | Raised:
             if call.dtype != torch.get_default_dtype():  # bf16-true / 16-true set it
                 under.callback(torch.set_default_dtype, torch.get_default_dtype())
                 torch.set_default_dtype(call.dtype)
-            return _run_call(placed, name, call, tensors, spec, plain)
+            return _run_call(placed, name, call, tensors, spec, plain, carried)
     except Exception as e:  # raised there as its own type, with this traceback as cause
         return caught(e)
 
 
 def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
-              plain: Any) -> Answer:
+              plain: Any, carried: Any = ()) -> Answer:
     needs = call.needs
     leaves = [t.detach().requires_grad_() if need else t
               for t, need in zip(tensors, needs, strict=True)]
@@ -144,9 +150,16 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
         n = plain.positional
         flat, args = leaves, tuple(leaves[:n])
         kwargs = dict(zip(plain.names, leaves[n:], strict=True))
+        tree = (args, kwargs)
     else:
         flat = unpack(leaves, plain)
-        args, kwargs = tree_unflatten(flat, spec)
+        tree = args, kwargs = tree_unflatten(flat, spec)
+    if carried:  # the context variables the children's hooks read, as they are here
+        held_spec, held = carried
+        carried = tree_unflatten(held, held_spec)
+        tree, flat = (args, kwargs, carried), [*flat, *held]
+    else:
+        carried = {}
     was = versions(leaves)
     modules = placed.__dict__.get("modules") or placed.__dict__.setdefault(
         "modules", list(placed.module.modules()))
@@ -163,7 +176,7 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
     held = [looks(modules[i].__dict__.get(k)) for i, k in deep]
     # the module's own hooks ran here, around this call: its forward alone runs here
     forward = placed.module.forward
-    with span(f"forward {name}", "node"):
+    with span(f"forward {name}", "node"), _set(carried):
         if call.inference:
             with torch.inference_mode():
                 out = forward(*args, **kwargs)
@@ -186,16 +199,20 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
             side.append((i, k, v))
     # a structure of tensors alone changes only through a tensor written in place
     changed = None if spec is None and versions(leaves) == was else _changed(
-        args, kwargs, flat, leaves, was)
+        tree, flat, leaves, was)
     structure = None if side or changed is not None else bare(out)
     if structure is None:  # pickled: the output, what it left, the arguments it changed
         out_flat, out_spec = tree_flatten((out, side, changed))
         outs, out_plain = pack(out_flat)
     else:
         outs = [out] if structure.lone else list(out)
+    uses = ()
     if call.grad and any(t.requires_grad for t in outs):
-        placed.kept[call.number] = (
-            [t if need else None for t, need in zip(leaves, needs, strict=True)], outs)
+        kept = [t if need else None for t, need in zip(leaves, needs, strict=True)]
+        fan = fans(outs, [t for t in kept if t is not None]) if any(needs) else {}
+        placed.kept[call.number] = (kept, outs, fan)
+        if fan:  # an argument used more than once: its uses' gradients answered apart
+            uses = tuple(len(fan.get(i, ())) or 1 for i in range(sum(needs)))
     if structure is None:
         structure = Pickled(dumps((out_spec, out_plain)))
     # tensors cross on the CPU (no TensorPipe device maps yet): moved at the boundary;
@@ -203,8 +220,7 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
     return Answer([t.detach().cpu() for t in outs], structure,
                   [t.requires_grad for t in outs],
                   None if type(call.rng) is int else torch.get_rng_state(), os.getpid(),
-                  call.number in placed.kept)
-
+                  call.number in placed.kept, uses)
 
 _MISSING = object()
 
@@ -244,10 +260,22 @@ def _travels(v: Any) -> bool:
     return dataclasses.is_dataclass(v) and not isinstance(v, type)
 
 
-def _changed(args: tuple, kwargs: dict, flat: list, leaves: list, versions: list) -> Any:
-    """The arguments, when the forward changed them in place (appended to a list, wrote
-    into a tensor); else None. Tensors it left alone stand as ``Same`` (the caller's)."""
-    after, spec = tree_flatten((args, kwargs))
+@contextlib.contextmanager
+def _set(carried: dict):
+    # the context variables the children's hooks read, set as they are here for the call
+    tokens = [(var, var.set(v)) for var, v in ((stand_in(k), v) for k, v in carried.items())]
+    try:
+        yield
+    finally:
+        for var, t in reversed(tokens):
+            var.reset(t)
+
+
+def _changed(tree: tuple, flat: list, leaves: list, versions: list) -> Any:
+    """The arguments (and carried context values), when the forward changed them in place
+    (appended to a list, wrote into a tensor); else None. Tensors it left alone stand as
+    ``Same`` (the caller's)."""
+    after, spec = tree_flatten(tree)
     touched = {id(t) for t, v in zip(leaves, versions, strict=True) if version(t) != v}
     same = len(after) == len(flat) and all(a is b for a, b in zip(after, flat, strict=True))
     if same and not touched:
@@ -293,8 +321,9 @@ def _backward_through(placed: Placed, name: str, call: int, grads: list, accumul
         raise RuntimeError(
             f"a backward reached {name!r} for a call whose graph was freed: call "
             ".backward(retain_graph=True) the first time to go through it again")
-    leaves, outs = got
+    leaves, outs, *fan = got
     create = then is not None
+    fan = fan[0] if fan and not create else {}  # (under create_graph: summed here)
     device = outs[0].device if outs else None
     given = [None if g is None else g.to(device) for g in grads]
     if create:
@@ -305,7 +334,8 @@ def _backward_through(placed: Placed, name: str, call: int, grads: list, accumul
     wanted = [leaf for leaf in leaves if leaf is not None]
     back: list = [None] * len(wanted)
     if pairs:
-        with span(f"backward {name}", "node"), torch.set_grad_enabled(create):
+        with span(f"backward {name}", "node"), torch.set_grad_enabled(create), \
+                heard(fan) as told:
             o, g = [o for o, _ in pairs], [g for _, g in pairs]
             if accumulate:  # the weights' .grad too; the arguments' read and let go
                 for leaf in wanted:
@@ -317,10 +347,12 @@ def _backward_through(placed: Placed, name: str, call: int, grads: list, accumul
             elif wanted:
                 back = list(torch.autograd.grad(o, wanted, g, retain_graph=True,
                                                 create_graph=create, allow_unused=True))
+        for i, uses in told.items():  # each use's gradient, in the order they were added
+            back[i] = [None if u is None else u.cpu() for u in uses]
     it = iter(back)
     back = [None if leaf is None else next(it) for leaf in leaves]
     if not create:
-        return [None if b is None else b.cpu() for b in back]
+        return [b.cpu() if isinstance(b, torch.Tensor) else b for b in back]
     kept_outs = [b for b in back if b is not None]
     if any(t.requires_grad for t in kept_outs):
         placed.kept[then] = ([g if ask else None for g, ask in zip(given, asks, strict=True)]
