@@ -23,7 +23,7 @@ import time
 import weakref
 
 from .._errors import WorkerError
-from . import _exposure, _membership, _private, _sealed, _secret
+from . import _admit, _exposure, _membership, _private, _sealed, _secret
 from ._death import process_state
 from ._peer import Peer
 from ._settings import (
@@ -85,10 +85,13 @@ class Group:
 
                 def begin():  # inside the run's namespace, where there is one
                     gate = _membership.rendezvous(host, key, settings["timeout"])
+                    before = _admit.listening()
                     rpc.init_rpc(COORDINATOR, rank=0, world_size=None,
                                  rpc_backend_options=backend_options(
                                      f"somatize://{host}:{gate.port}", settings))
                     _membership.expect_closed_pipes(settings["timeout"])
+                    if not loopback(host) and settings["isolate"] != "off":  # only its hosts
+                        _admit.coordinator_side(gate, before, lambda: self.names() - {COORDINATOR})
                     return gate
 
                 self._gate = self.netns.run(begin) if self.netns else begin()
