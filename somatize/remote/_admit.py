@@ -2,9 +2,8 @@
 its processes gets a kernel socket filter that drops every connection from an address
 that is not one of the run's (docs/security.md, "A run across machines").
 
-    before = listening()                     # this process's TCP listeners, before RPC
-    rpc.init_rpc(...)                        # TensorPipe opens its listeners
-    guard(listening() - before, ["198.18.0.1"])   # filter those; these hosts may connect
+    with opening(["198.18.0.1"]):            # each listener opened inside is filtered
+        rpc.init_rpc(...)                    # (TensorPipe's): these hosts may connect
     allow(["198.18.0.2"])                    # a host proven at the gate joins the run
 
 TensorPipe answers anyone who connects (built-in operators run, junk aborts the process);
@@ -17,6 +16,7 @@ every member before the new one can connect to any of them (``Admitted``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ipaddress
 import logging
@@ -204,16 +204,43 @@ class Admitted:
                 log.debug("telling %r that %s joins: %s", name, host, e)
 
 
-def worker_side(store, listeners: dict[int, int]) -> None:
-    """A worker of a run that admits only its hosts (``KEY`` in the rendezvous) filters
-    its own listeners likewise; a run that does not leaves them open."""
-    if store.check([KEY]):
-        guard(listeners, store.get(KEY).decode().split(","))
+@contextlib.contextmanager
+def opening(hosts):
+    """Guard each listener this process opens inside the block (TensorPipe's, in
+    ``init_rpc``) as it appears, polled every 2 ms, and all of them once more at the end:
+    a connection made before its filter is on is cut. ``hosts=None``: guard nothing."""
+    if hosts is None:
+        yield
+        return
+    before, seen, done = set(listening()), set(), threading.Event()
+
+    def new() -> dict[int, int]:
+        return {i: fd for i, fd in listening().items() if i not in before | seen}
+
+    def watch():
+        while not done.wait(0.002):
+            if got := new():
+                seen.update(got)
+                guard(got, hosts)
+
+    t = threading.Thread(target=watch, daemon=True, name="somatize-admit")
+    t.start()
+    try:
+        yield
+    finally:
+        done.set()
+        t.join()
+        guard({**{i: fd for i, fd in listening().items() if i in seen}, **new()}, hosts)
 
 
-def coordinator_side(gate, before: dict[int, int], members) -> None:
-    """The coordinator's listeners opened since ``before`` (TensorPipe's) admit only the
-    run's hosts; from now on the gate admits each proven joiner's (``Admitted``)."""
-    guard({i: fd for i, fd in listening().items() if i not in before}, [])
+def run_hosts(store) -> list[str] | None:
+    """The run's hosts, as the coordinator wrote them in the rendezvous (``KEY``); None
+    for a run that admits anyone (on loopback, or ``isolate="off"``)."""
+    return store.get(KEY).decode().split(",") if store.check([KEY]) else None
+
+
+def coordinator_side(gate, members) -> None:
+    """From now on the gate admits each proven joiner's address (``Admitted``); the hosts
+    so far (this one's) go in the rendezvous, for joiners to read."""
     gate.admit = Admitted(gate.store, members)
     gate.store.set(KEY, ",".join(hosts()))

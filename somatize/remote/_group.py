@@ -82,16 +82,17 @@ class Group:
                 key = _secret.run_key()
                 _sealed.seal(key)  # before the first message: every one carries its MAC
                 self.netns = _exposure.isolate(host, specs)
+                network = not loopback(host) and settings["isolate"] != "off"
 
                 def begin():  # inside the run's namespace, where there is one
                     gate = _membership.rendezvous(host, key, settings["timeout"])
-                    before = _admit.listening()
-                    rpc.init_rpc(COORDINATOR, rank=0, world_size=None,
-                                 rpc_backend_options=backend_options(
-                                     f"somatize://{host}:{gate.port}", settings))
-                    _membership.expect_closed_pipes(settings["timeout"])
-                    if not loopback(host) and settings["isolate"] != "off":  # only its hosts
-                        _admit.coordinator_side(gate, before, lambda: self.names() - {COORDINATOR})
+                    with _admit.opening([] if network else None):  # admit only its hosts
+                        rpc.init_rpc(COORDINATOR, rank=0, world_size=None,
+                                     rpc_backend_options=backend_options(
+                                         f"somatize://{host}:{gate.port}", settings))
+                        _membership.expect_closed_pipes(settings["timeout"])
+                    if network:
+                        _admit.coordinator_side(gate, lambda: self.names() - {COORDINATOR})
                     return gate
 
                 self._gate = self.netns.run(begin) if self.netns else begin()

@@ -302,13 +302,11 @@ def main(argv: list[str] | None = None) -> int:
     _sealed.seal(key)
     host, _, port = args.join.removeprefix("tcp://").rpartition(":")
     init = join_through(host, int(port), key, opts.get("timeout", 60.0), args.name)
-    before = _admit.listening()
-    rpc.init_rpc(args.name, rank=args.rank, world_size=None,
-                 rpc_backend_options=backend_options(init, opts))
-    expect_closed_pipes(opts.get("timeout", 60.0))
-    if not loopback(host):  # a run on a network: our listeners admit only its hosts
-        _admit.worker_side(joined_store(), {i: fd for i, fd in _admit.listening().items()
-                                            if i not in before})
+    # a run on a network: our listeners admit only its hosts, from the moment they open
+    with _admit.opening(None if loopback(host) else _admit.run_hosts(joined_store())):
+        rpc.init_rpc(args.name, rank=args.rank, world_size=None,
+                     rpc_backend_options=backend_options(init, opts))
+        expect_closed_pipes(opts.get("timeout", 60.0))
     rpc.rpc_sync("coordinator", joined, args=(args.name,), timeout=opts.get("timeout", 60.0))
     _stop.wait()
     try:
