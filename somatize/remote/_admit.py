@@ -205,10 +205,11 @@ class Admitted:
 
 
 @contextlib.contextmanager
-def opening(hosts):
+def opening(hosts, later=None):
     """Guard each listener this process opens inside the block (TensorPipe's, in
-    ``init_rpc``) as it appears, polled every 2 ms, and all of them once more at the end:
-    a connection made before its filter is on is cut. ``hosts=None``: guard nothing."""
+    ``init_rpc``) as it appears, polled every 2 ms, and all of them once more at the end,
+    with the hosts ``later()`` says then too: a connection made before its filter is on is
+    cut. ``hosts=None``: guard nothing."""
     if hosts is None:
         yield
         return
@@ -230,7 +231,10 @@ def opening(hosts):
     finally:
         done.set()
         t.join()
-        guard({**{i: fd for i, fd in listening().items() if i in seen}, **new()}, hosts)
+        # a host that joined while we did: admitted before we were a member to be told
+        more = (later() or []) if later is not None else []
+        guard({**{i: fd for i, fd in listening().items() if i in seen}, **new()},
+              [*hosts, *more])
 
 
 def run_hosts(store) -> list[str] | None:
