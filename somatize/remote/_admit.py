@@ -40,9 +40,15 @@ _guarded: dict[int, int] = {}  # fd -> socket inode: the listeners filtered
 
 
 def _own_socket(fd: int) -> socket.socket | None:
+    # a socket object of our own on a copy of ``fd``: closing it leaves ``fd`` as it was
     try:
-        return socket.socket(fileno=os.dup(fd))
+        copy = os.dup(fd)
     except OSError:
+        return None  # closed meanwhile
+    try:
+        return socket.socket(fileno=copy)
+    except OSError:
+        os.close(copy)  # not a socket (the number was reused meanwhile)
         return None
 
 
