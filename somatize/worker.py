@@ -248,10 +248,11 @@ def main(argv: list[str] | None = None) -> int:
     log.info("listening on %s:%d", host, srv.getsockname()[1])
     if not _loopback(host):
         log.warning("%s is not loopback: only coordinators holding this worker's token "
-                    "are served, but the TensorPipe listeners of its runs answer whoever "
-                    "reaches them (torch's built-in operators run unauthenticated there). "
-                    "Listen only on a private network (WireGuard, ssh -w): docs/security.md",
-                    host)
+                    "are served, and the TensorPipe listeners of its runs admit only the "
+                    "run's hosts, but whoever shares or forges one of their addresses (another "
+                    "user of one of those machines) reaches them (torch's built-in operators "
+                    "run unauthenticated there). Listen only on a private network "
+                    "(WireGuard, ssh -w): docs/security.md", host)
         if "TP_SOCKET_IFNAME" not in os.environ:
             log.warning("TP_SOCKET_IFNAME is not set: set it to the interface of %s, so that "
                         "runs' serving processes listen there too", host)

@@ -221,7 +221,9 @@ def test_a_stranger_on_another_host_cannot_join_an_opened_run_nor_run_a_call_in_
     a, c = hosts["a"], hosts["c"]
     ready, go = tmp_path / "ready.json", tmp_path / "go"
     e = {k: v for k, v in env().items() if k != "SOMATIZE_TOKEN"}  # the stranger has none
-    target = a.popen([sys.executable, runs, "target", str(ready), str(go), a.addr], env=e,
+    # isolate="off": its TensorPipe listeners admit anyone (by default they admit only the
+    # run's hosts, tests/test_hosts_exposure.py), so that the MAC is what refuses the call
+    target = a.popen([sys.executable, runs, "target", str(ready), str(go), a.addr, "off"], env=e,
                      cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120

@@ -26,6 +26,7 @@ from . import _exposure
 from ._secret import Refused, prove, recv_frame, send_frame
 
 log = logging.getLogger(__name__)
+_ADDRS = "rpc_prefix_0/addrs/"  # where each member's TensorPipe address is written
 
 
 def _pack(*fields: bytes) -> bytes:
@@ -47,6 +48,7 @@ class Gate:
     def __init__(self, host: str, key: bytes, timeout: float):
         self.key, self.store = key, dist.HashStore()
         self.seen: set[str] = set()  # the names of the joiners that proved the key
+        self.admit = None  # told each proven joiner's address (_admit.Admitted), if any
         self.store.set_timeout(timedelta(seconds=timeout))
         self.sock = socket.create_server((host, 0), backlog=128)
         self.port = self.sock.getsockname()[1]
@@ -77,6 +79,8 @@ class Gate:
                     log.warning("refused a join from %s:%s: %s (later attempts from %s are "
                                 "refused without a word)", peer[0], peer[1], why, peer[0])
                 return
+            if self.admit is not None:  # before it may connect to any member
+                self.admit(peer[0])
             seq = 0
             while True:
                 try:
@@ -101,6 +105,8 @@ class Gate:
         op, s = f[0], self.store
         key = f[1].decode() if len(f) > 1 else ""
         if op == b"set":
+            if self.admit is not None and key.startswith(_ADDRS):  # its TensorPipe address
+                self.admit(f[2].decode().split("://")[-1].rpartition(":")[0])
             s.set(key, f[2])
             return b""
         if op == b"get":

@@ -23,7 +23,7 @@ import time
 import weakref
 
 from .._errors import WorkerError
-from . import _exposure, _membership, _private, _sealed, _secret
+from . import _admit, _exposure, _membership, _private, _sealed, _secret
 from ._death import process_state
 from ._peer import Peer
 from ._settings import (
@@ -82,13 +82,17 @@ class Group:
                 key = _secret.run_key()
                 _sealed.seal(key)  # before the first message: every one carries its MAC
                 self.netns = _exposure.isolate(host, specs)
+                network = not loopback(host) and settings["isolate"] != "off"
 
                 def begin():  # inside the run's namespace, where there is one
                     gate = _membership.rendezvous(host, key, settings["timeout"])
-                    rpc.init_rpc(COORDINATOR, rank=0, world_size=None,
-                                 rpc_backend_options=backend_options(
-                                     f"somatize://{host}:{gate.port}", settings))
-                    _membership.expect_closed_pipes(settings["timeout"])
+                    with _admit.opening([] if network else None):  # admit only its hosts
+                        rpc.init_rpc(COORDINATOR, rank=0, world_size=None,
+                                     rpc_backend_options=backend_options(
+                                         f"somatize://{host}:{gate.port}", settings))
+                        _membership.expect_closed_pipes(settings["timeout"])
+                    if network:
+                        _admit.coordinator_side(gate, lambda: self.names() - {COORDINATOR})
                     return gate
 
                 self._gate = self.netns.run(begin) if self.netns else begin()

@@ -46,6 +46,11 @@ def join_through(host: str, port: int, key: bytes, timeout: float, who: str = ""
 _stores: list = []  # the store ``somatize://`` hands torch (one RPC group per process)
 
 
+def joined_store():
+    """The rendezvous this process joined through (``join_through``'s store)."""
+    return _stores[0]
+
+
 def _register(store) -> None:
     first = not _stores
     _stores[:] = [store]

@@ -277,9 +277,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.distributed.rpc as rpc
 
-    from . import _sealed, _secret
-    from ._membership import expect_closed_pipes, join_through
-    from ._settings import backend_options
+    from . import _admit, _sealed, _secret
+    from ._membership import expect_closed_pipes, join_through, joined_store
+    from ._settings import backend_options, loopback
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -302,8 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     _sealed.seal(key)
     host, _, port = args.join.removeprefix("tcp://").rpartition(":")
     init = join_through(host, int(port), key, opts.get("timeout", 60.0), args.name)
-    rpc.init_rpc(args.name, rank=args.rank, world_size=None,
-                 rpc_backend_options=backend_options(init, opts))
+    # a run on a network: our listeners admit only its hosts, from the moment they open;
+    # once we are a member, the coordinator tells us each later one (read again then: a
+    # host admitted while we joined). No one else joins meanwhile: we hold the token
+    hosts = None if loopback(host) else _admit.run_hosts(joined_store())
+    with _admit.opening(hosts, later=lambda: _admit.run_hosts(joined_store())):
+        rpc.init_rpc(args.name, rank=args.rank, world_size=None,
+                     rpc_backend_options=backend_options(init, opts))
     expect_closed_pipes(opts.get("timeout", 60.0))
     rpc.rpc_sync("coordinator", joined, args=(args.name,), timeout=opts.get("timeout", 60.0))
     _stop.wait()
