@@ -3,8 +3,6 @@
     python -m somatize.remote --name gpu --rank 1 --join tcp://127.0.0.1:29500
 """
 
-import logging
-import os
 import sys
 
 from ._isolation import enter_from_env
@@ -13,11 +11,4 @@ enter_from_env()  # the run's network namespace, before any socket or thread is 
 
 from ._serve import main  # noqa: E402
 
-code = main()
-# it has left the group and said what it had to: finalizing an interpreter that holds
-# torch would keep the coordinator's stop waiting about 0.4 s more (as multiprocessing's
-# children do, it ends here, its streams flushed)
-logging.shutdown()
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(code)
+sys.exit(main())
