@@ -3,7 +3,8 @@ imports torch and Lightning once (about 8 s of a core each time, most of it Ligh
 own imports), then forks a process for each scenario, as Python's ``forkserver`` does with
 its ``preload``. What runs in the fork is the scenario script itself, as ``python SCRIPT
 ARGS`` would run it: its own pid, environment, working directory, ``sys.argv``,
-``sys.path`` and standard streams; its own RPC, workers and exit. Only the modules above
+``sys.path`` and standard streams; its own RPC, workers and exit (tests/forked_main.py
+runs it, and ends the process without Python's slow finalization). Only the modules above
 are already imported, and somatize never is (it reads its environment when imported).
 The server is the library's (somatize/remote/_forks.py), which also forks embedded
 workers (``fork_workers``, started for each test process in conftest.py).
@@ -19,9 +20,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 from somatize.remote._forks import Forked, ForkServer, read_at_start
 
+MAIN = str(Path(__file__).resolve().parent / "forked_main.py")  # runs it, then ends at once
 PRELOAD = ["numpy", "torch", "torch.distributed.rpc", "lightning.pytorch", "safetensors.torch",
            "cloudpickle", "sklearn.datasets"]
 __all__ = ["PRELOAD", "Forked", "Forks", "forkable"]
@@ -72,10 +75,11 @@ class Forks:
     def start(self, argv: list[str], cwd: str, environ: dict[str, str],
               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text: bool = True) -> Forked:
         """``python *argv`` forked, running: a ``Forked``, which answers as a Popen does."""
-        forked = self.server.popen(argv, environ, str(cwd), stdin=subprocess.DEVNULL,
+        forked = self.server.popen([MAIN, *argv], environ, str(cwd), stdin=subprocess.DEVNULL,
                                    stdout=stdout, stderr=stderr, text=text)
         if forked is None:
             raise RuntimeError(f"tests/forks.py: the warm process would not fork {argv}")
+        forked.args = [sys.executable, *argv]
         return forked
 
     def run(self, argv: list[str], cwd: str, environ: dict[str, str],

@@ -1,21 +1,24 @@
 """A run for tests/test_secret.py to attack, and the stranger that attacks it.
 
-    python tests/secret_runs.py target READY GO [LISTEN [ISOLATE]] # a run: says where it
-                                                         # listens, waits for GO
-    python tests/secret_runs.py rendezvous HOST:PORT OUT  # plain torch joins through it
+    python tests/secret_runs.py target READY GO [LISTEN [ISOLATE [REFUSED]]] # a run: says
+                                                         # where it listens, waits for GO
+    python tests/secret_runs.py rendezvous HOST:PORT OUT [REFUSED] # plain torch joins
+                                                         # through it
     python tests/secret_runs.py listener ADDR OUT        # TensorPipe straight at a listener
     python tests/secret_runs.py ports PORTS FILE OUT     # every port: reach it, attack it
 
 The target runs the seeds' graph on an embedded worker, writes READY (JSON: the
 rendezvous, the pids, each process's TensorPipe address as ``ss`` would show it), waits
 for GO, runs the graph again and prints whether both answers equal one process's.
-A stranger writes OUT (JSON): what each attempt answered. A call that ran would have
-created OUT + ".ran" (as whoever runs the target).
+The target creates REFUSED once it has refused a join; a stranger's rendezvous waits for
+it (or 25 s). A stranger writes OUT (JSON): what each attempt answered. A call that ran
+would have created OUT + ".ran" (as whoever runs the target).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -27,10 +30,25 @@ from somatize import Graph
 from somatize.remote import runtime_for
 
 
-def target(ready: str, go: str, listen: str = "", isolate: str = "auto") -> None:
+class _Refusals(logging.Handler):
+    """Creates ``path`` when somatize says it refused a join."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+
+    def emit(self, record):
+        if record.getMessage().startswith("refused a join"):
+            open(self.path, "w").close()
+
+
+def target(ready: str, go: str, listen: str = "", isolate: str = "auto",
+           refused: str = "") -> None:
     from somatize.remote import configure
     from somatize.remote._group import group
 
+    if refused:
+        logging.getLogger("somatize").addHandler(_Refusals(refused))
     if listen:  # opened to a network (another test host reaches it)
         configure(listen=listen)
     configure(isolate=isolate)
@@ -83,7 +101,7 @@ def _ran(out: str) -> tuple:
     return (os.system, (f"touch {out}.ran",))
 
 
-def rendezvous(where: str, out: str) -> None:
+def rendezvous(where: str, out: str, refused: str = "") -> None:
     import threading
 
     import torch.distributed.rpc as rpc
@@ -103,9 +121,16 @@ def rendezvous(where: str, out: str) -> None:
 
     t = threading.Thread(target=join, daemon=True)
     t.start()
-    t.join(timeout=25)  # torch's TCPStore client retries for 30 min: a stranger gives up
+    # torch's TCPStore client retries for 30 min: a stranger gives up once the run says it
+    # refused it (each retry is refused too), or after 25 s
+    deadline = time.monotonic() + 25
+    while t.is_alive() and time.monotonic() < deadline and not (
+            refused and os.path.exists(refused)):
+        t.join(timeout=0.05)
     if t.is_alive():
-        got["refused"] = "no join within 25 s: the rendezvous answered nothing torch understands"
+        said = "the run refused it" if refused and os.path.exists(refused) else "no join " \
+            "within 25 s"
+        got["refused"] = f"{said}: the rendezvous answered nothing torch understands"
     _record(out, got)
     os._exit(0)
 

@@ -1,5 +1,6 @@
 """scripts/gpu_check.sh, the one call prepared for the machine a GPU is lent on, runs here
-on CPU as it would there (--dry-run: the same five steps, small), with this python and
+on CPU as it would there (--dry-run: the same five steps, small, forked from one warm
+process that imported torch and Lightning once), with this python and
 PYTHONPATH alone, so it cannot rot before a GPU is lent; and the blake3 stand-in it puts
 on the path where blake3 is missing answers the calls somatize makes."""
 

@@ -220,10 +220,12 @@ def test_a_stranger_on_another_host_cannot_join_an_opened_run_nor_run_a_call_in_
     runs = str(HERE / "secret_runs.py")
     a, c = hosts["a"], hosts["c"]
     ready, go = tmp_path / "ready.json", tmp_path / "go"
+    refused = tmp_path / "refused"  # the target creates it when it refused a join
     e = {k: v for k, v in env().items() if k != "SOMATIZE_TOKEN"}  # the stranger has none
     # isolate="off": its TensorPipe listeners admit anyone (by default they admit only the
     # run's hosts, tests/test_hosts_exposure.py), so that the MAC is what refuses the call
-    target = a.popen([sys.executable, runs, "target", str(ready), str(go), a.addr, "off"], env=e,
+    target = a.popen([sys.executable, runs, "target", str(ready), str(go), a.addr, "off",
+                      str(refused)], env=e,
                      cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 120
@@ -236,7 +238,8 @@ def test_a_stranger_on_another_host_cannot_join_an_opened_run_nor_run_a_call_in_
         for how, where in (("rendezvous", got["join"]),
                            ("listener", got["addrs"]["coordinator"])):
             out = tmp_path / f"{how}.json"
-            r = c.run([sys.executable, runs, how, where, str(out)], timeout=90, env=e)
+            stop = [str(refused)] if how == "rendezvous" else []  # it stops once refused
+            r = c.run([sys.executable, runs, how, where, str(out), *stop], timeout=90, env=e)
             assert out.exists(), r.stderr[-3000:]
             seen[how] = json.loads(out.read_text())
             assert not Path(f"{out}.ran").exists(), how  # nothing it sent was run

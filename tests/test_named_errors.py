@@ -18,6 +18,9 @@ target = torch.tensor([0, 1, 2, 0])
 
 
 def test_workers_that_is_not_a_dict_says_what_to_give():
+    import torch.distributed.rpc as rpc
+
+    agent, peers = rpc.api._is_current_rpc_agent_set(), set(group().peers)  # (other tests')
     g = Graph.somatize(Body().at("gpu") >> Head())
     with pytest.raises(WorkerError, match=r"workers= takes a dict \{host: Worker\}, not a int"):
         g.forward(x, workers=42)
@@ -39,7 +42,8 @@ def test_workers_that_is_not_a_dict_says_what_to_give():
         with pytest.raises(WorkerError, match=r"workers= takes a dict \{host: Worker\}, not "
                                               r"a list: e\.g\. workers=\{'gpu'"):
             door()
-    assert not group().started  # refused before any process was started
+    # refused before any process was started
+    assert rpc.api._is_current_rpc_agent_set() == agent and set(group().peers) == peers
     g.close()
 
 

@@ -31,13 +31,13 @@ def _target(tmp_path, *args, **extra):
     return proc, json.loads(ready.read_text()), go
 
 
-def _stranger(tmp_path, *args):
+def _stranger(tmp_path, *args, then=()):
     seen = pathlib.Path(tempfile.mkdtemp(dir="/tmp"))  # a tmp_path's parents are 0700
     os.chmod(seen, 0o777)  # the stranger writes what it saw here
     out = seen / "stranger.json"
     (seen / "only-root-reads").write_bytes(b"secret")  # what the stranger may not read
     os.chmod(seen / "only-root-reads", 0o600)
-    r = subprocess.run([sys.executable, str(RUNS), *args, str(out), "--as-nobody"],
+    r = subprocess.run([sys.executable, str(RUNS), *args, str(out), *then, "--as-nobody"],
                        env=env(), capture_output=True, text=True, timeout=90, cwd="/")
     assert out.exists(), r.stderr[-3000:]
     return json.loads(out.read_text()), out
@@ -53,9 +53,12 @@ def _finish(proc, go):
 @as_root
 def test_another_user_cannot_join_through_the_rendezvous_and_the_run_goes_on(tmp_path):
     # a run not isolated (isolate="off"): the rendezvous on this machine's loopback
-    proc, ready, go = _target(tmp_path, "", "off")
+    refused = pathlib.Path(tempfile.mkdtemp(dir="/tmp"))  # the stranger sees it: 0755
+    os.chmod(refused, 0o755)
+    refused /= "refused"  # the target creates it when it refused a join: the stranger stops
+    proc, ready, go = _target(tmp_path, "", "off", str(refused))
     try:
-        got, out = _stranger(tmp_path, "rendezvous", ready["join"])
+        got, out = _stranger(tmp_path, "rendezvous", ready["join"], then=[str(refused)])
     finally:
         stdout, stderr = _finish(proc, go)
     assert "joined" not in got and "refused" in got, got
