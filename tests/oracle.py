@@ -78,3 +78,27 @@ def _first_difference(a: Any, b: Any, at: str) -> str | None:
         ok = isinstance(b, torch.Tensor) and torch.equal(a, b)
         return None if ok else at
     return None if a == b else at
+
+
+def many(cases: dict, out: str, names: tuple) -> None:
+    """A scenario script's ``many OUT CASE...``: several cases in one process (one
+    interpreter start, one worker), each ``cases[name](<OUT's folder>/<name>.pt)``; the
+    list of names is written to ``out``."""
+    import os
+
+    for name in names:
+        cases[name](os.path.join(os.path.dirname(out), f"{name}.pt"))
+    torch.save(list(names), out)
+
+
+def placed_exact(got: dict, placed: str, steps: int) -> None:
+    """A scenario's ``plain`` and ``split`` runs of a placed module, bit for bit: the
+    losses ``==`` for at least ``steps`` steps, every weight ``torch.equal``, and the
+    module ``placed`` run at least ``steps`` times, none of them in this test's ``pid``."""
+    plain_losses, plain = got["plain"]
+    split_losses, split = got["split"]
+    assert len(plain_losses) >= steps and split_losses == plain_losses
+    assert plain.keys() == split.keys()
+    for k in plain:
+        assert torch.equal(split[k], plain[k]), k
+    assert got["pid"] not in got["ran"][placed] and sum(got["ran"][placed].values()) >= steps

@@ -7,6 +7,7 @@ subprocess (tests/placed_edges_runs.py), against plain Lightning."""
 
 import pytest
 import torch
+from oracle import placed_exact
 from scenario import scenario
 
 RUNS = "placed_edges_runs.py"
@@ -24,13 +25,7 @@ def ran(tmp_path_factory):
 
 
 def exact(got, steps=4, placed="encoder"):
-    plain_losses, plain = got["plain"]
-    split_losses, split = got["split"]
-    assert len(plain_losses) >= steps and split_losses == plain_losses
-    assert plain.keys() == split.keys()
-    for k in plain:
-        assert torch.equal(split[k], plain[k]), k
-    assert got["pid"] not in got["ran"][placed] and sum(got["ran"][placed].values()) >= steps
+    placed_exact(got, placed, steps)
     kept_after_each_step(got)
 
 

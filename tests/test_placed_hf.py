@@ -8,6 +8,7 @@ built, is registered over there), ``generate()`` in validation, and
 
 import pytest
 import torch
+from oracle import placed_exact
 from scenario import scenario
 
 pytestmark = pytest.mark.timeout(900)
@@ -22,13 +23,7 @@ def ran(tmp_path_factory):
 
 
 def exact(got, placed, steps):
-    plain_losses, plain = got["plain"]
-    split_losses, split = got["split"]
-    assert len(plain_losses) >= steps and split_losses == plain_losses
-    assert plain.keys() == split.keys()
-    for k in plain:
-        assert torch.equal(split[k], plain[k]), k
-    assert got["pid"] not in got["ran"][placed] and sum(got["ran"][placed].values()) >= steps
+    placed_exact(got, placed, steps)
     assert got["split_seen"] == got["plain_seen"]
 
 
