@@ -393,6 +393,30 @@ def twice(out):
     both(Twice, out, max_steps=4)
 
 
+class Heat(Pinn):
+    """A PINN of second order (du/dx and d2u/dx2, each with create_graph=True) whose
+    residual's weight is a parameter here, given as grad_outputs (a gradient that asks
+    for one back)."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((1,), 0.5))
+
+    def training_step(self, batch, i):
+        x = batch[0][:, :2].clone().requires_grad_()
+        u = self.encoder(x)
+        v = self.weight.expand_as(u)
+        du, = torch.autograd.grad(u, x, grad_outputs=v, create_graph=True)
+        d2u, = torch.autograd.grad(du[:, 0].sum(), x, create_graph=True)
+        loss = (d2u[:, 0] - du[:, 1]).pow(2).mean() + (u * self.scale).pow(2).mean()
+        self.log("loss", loss)
+        return loss
+
+
+def heat(out):
+    both(Heat, out, max_steps=4)
+
+
 class Fgsm(pl.LightningModule):
     """FGSM by hand: autograd.grad on the input (which must not touch the weights' .grad),
     then the loss on the perturbed input."""

@@ -191,6 +191,12 @@ def engine_will_run(node: Any) -> bool:
                  "telling .backward() from autograd.grad through a placed module")(node)
 
 
+def graph_task() -> int:
+    """Inside a backward: the running pass's number (-1 outside one)."""
+    return _need(torch._C, "_current_graph_task_id",
+                 "joining a placed call's backwards of one pass")()
+
+
 _END = object()  # where a module's parameters end, then its buffers (in ``structure``)
 
 

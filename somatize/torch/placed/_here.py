@@ -31,6 +31,7 @@ from .._private import engine_will_run, plainly
 from .._raised import Raised, rebuilt
 from .._state import restore
 from ._fresh import fresh, unfresh
+from ._joins import defer, waited
 from ._messages import Bare, Call, Pickled, Same, pack, spread, unpack
 from ._module_ops import Free, Sent
 from ._ordinary import into, unsendable
@@ -51,27 +52,35 @@ class _Remote(torch.autograd.Function):
     What the call keeps over there is freed when this node is (``_Ticket``)."""
 
     @staticmethod
-    def forward(ctx, link, number, needs, outs, alive, acc, anchor, uses, *inputs):
+    def forward(ctx, link, number, needs, outs, alive, acc, anchor, uses, parent, *inputs):
         ctx.set_materialize_grads(False)
         ctx.link, ctx.number, ctx.needs, ctx.acc = link, number, needs, acc
         ctx.ticket = _Ticket(link, number)
-        ctx.uses = uses
+        ctx.uses, ctx.parent = uses, parent
+        if parent is not None:  # the parent's token, last: not an argument over there
+            inputs = inputs[:-1]
         if uses:  # an argument used k times over there stands k times here (_node)
             at = itertools.accumulate(uses, initial=0)
             inputs = tuple(inputs[i] for i in itertools.islice(at, len(uses)))
         ctx.inputs = inputs  # (held, not saved: a later in-place write here is no error)
         ctx.mark_non_differentiable(*[t for t, a in zip(outs, alive, strict=True)
                                       if not (a and t.is_floating_point())])
-        return tuple(outs)
+        # the call's token: the backward of a create_graph answer takes it as an argument,
+        # so the engine here runs that backward before this one's (they join: _joined)
+        token = torch.empty(0)
+        ctx.save_for_backward(token)
+        return (*outs, token)
 
     @staticmethod
     def backward(ctx, *grads):
-        back = ctx.link._backward(ctx, grads)
+        back = ctx.link._backward(ctx, grads[:-1])
         if ctx.uses:  # each use's gradient apart: the engine adds them as plain autograd does
             back = [g for b, k in zip(back, ctx.uses, strict=True)
                     for g in (b + [None] * (k - len(b)) if isinstance(b, list)
                               else [b] + [None] * (k - 1))]
-        return (None, None, None, None, None, None, None, None, *back)
+        if ctx.parent is not None:
+            back = [*back, None]  # (the parent's token)
+        return (None, None, None, None, None, None, None, None, None, *back)
 
 
 def _to(g: Any, here: torch.device) -> Any:
@@ -152,6 +161,7 @@ class Link:
         self.fitting = False
         self.stale = False  # the weights here are behind the ones over there
         self.draws: Any = None  # () -> the seed of the next call, when no RNG state is sent
+        self.waiting: dict = {}  # call -> (pass, backwards joining its own: _joins)
 
     # -- installing --------------------------------------------------------------------
     def install(self) -> None:
@@ -235,14 +245,19 @@ class Link:
         return out
 
     def _node(self, number: int, needs: list, outs: list, alive: list, inputs: list,
-              uses: tuple = ()) -> tuple:
+              uses: tuple = (), parent: Any = None) -> tuple:
         # the call as a node of the graph here (its anchor tells .backward() from grad());
-        # an argument the forward used k times over there is an input k times
+        # an argument the forward used k times over there is an input k times; a create_graph
+        # answer's takes its parent's token (the parent: the node whose backward made it)
         anchor = torch.empty(0, requires_grad=True)
         acc = torch.autograd.graph.get_gradient_edge(anchor).node
         if uses:
             inputs = [t for t, k in zip(inputs, uses, strict=True) for _ in range(k)]
-        return _Remote.apply(self, number, needs, outs, alive, acc, anchor, uses, *inputs)
+        if parent is not None:
+            token, = parent.saved_tensors
+            inputs = [*inputs, token]
+        return _Remote.apply(self, number, needs, outs, alive, acc, anchor, uses, parent,
+                             *inputs)[:-1]
 
     def _freed(self) -> tuple:
         freed, self.freed = self.freed, []
@@ -250,14 +265,21 @@ class Link:
 
     def _backward(self, ctx: Any, grads: tuple) -> list:
         number, needs = ctx.number, ctx.needs
-        if self.freed:
-            self.ops.append(Free(self._freed()))
-        ops, self.ops = self.ops, []
         # .backward() accumulates into the weights over there; autograd.grad(out, inputs)
         # with them not among the inputs does not
         accumulate = engine_will_run(ctx.acc)
         create = torch.is_grad_enabled()  # create_graph=True: the answer is differentiable
         crossing = [None if g is None else g.detach().cpu() for g in grads]
+        joined: tuple = ()
+        if not create:
+            joined = waited(self, number)
+            parent = ctx.parent
+            if (parent is not None and engine_will_run(parent)
+                    and engine_will_run(parent.acc) == accumulate):
+                return defer(self, ctx, crossing, joined)
+        if self.freed:
+            self.ops.append(Free(self._freed()))
+        ops, self.ops = self.ops, []
         if create:
             then = next(self.calls)
             asks = [g is not None and g.requires_grad for g in grads]
@@ -271,15 +293,16 @@ class Link:
                 there = [t.to(here) for t in there]
                 live = [a for g, a in zip(back, alive, strict=True) if g is not None]
                 there = iter(self._node(then, [*asks, *[True] * len(inputs)], there, live,
-                                        [*given, *inputs]))
+                                        [*given, *inputs], parent=ctx))
             back = [None if g is None else next(there) for g in back]
             return [g for g, need in zip(back, needs, strict=True) if need]
         if not any(needs):
             # nothing here waits for dL/d(arguments): the backward goes with the next
             # message (behind what was queued before it, ahead of the step queued after)
-            self.ops = [*ops, Backward(self.name, number, crossing, accumulate)]
+            self.ops = [*ops, Backward(self.name, number, crossing, accumulate, joined)]
             return []
-        back = self._rpc(_backward, self.name, number, crossing, ops, accumulate)
+        back = self._rpc(_backward, self.name, number, crossing, ops, accumulate, None, None,
+                         joined)
         here = self.here
         return [_to(g, here) for g, need in zip(back, needs, strict=True) if need]
 

@@ -286,17 +286,18 @@ def _changed(tree: tuple, flat: list, leaves: list, versions: list) -> Any:
 
 
 def _backward(live, name: str, call: int, grads: list, ops: list, accumulate: bool = True,
-              then: int | None = None, asks: list | None = None) -> Any:
+              then: int | None = None, asks: list | None = None, joined: tuple = ()) -> Any:
     """dL/d(the call's arguments), given dL/d(its outputs): into the weights too when
     ``accumulate`` (``.backward()``, not ``autograd.grad`` on the inputs). The call's graph
     stays (a second backward, ``retain_graph``) until a ``Free`` says the one here is gone.
     With ``then`` (``create_graph``), the answer is differentiable: kept as call ``then``,
     whose arguments are the gradients that ``asks`` and the call's own; answered with
-    which of them carry a gradient."""
+    which of them carry a gradient. ``joined``: the (call, dL/d(outputs)) of create_graph
+    answers whose backward goes in this pass too (one pass, as in one piece)."""
     try:
         placed = live.catalog[name]
         _apply(placed, ops)  # a zero_grad between the forward and this backward
-        return _backward_through(placed, name, call, grads, accumulate, then, asks)
+        return _backward_through(placed, name, call, grads, accumulate, then, asks, joined)
     except Exception as e:
         return caught(e)
 
@@ -306,22 +307,30 @@ class Backward:
     one): it goes with the next message, done over there before what follows it (as the
     optimizer's step, queued after it, is), so a step sends one message, not two."""
 
-    def __init__(self, name: str, call: int, grads: list, accumulate: bool):
+    def __init__(self, name: str, call: int, grads: list, accumulate: bool,
+                 joined: tuple = ()):
         self.name, self.call, self.grads, self.accumulate = name, call, grads, accumulate
+        self.joined = joined
 
     def apply(self, placed: Placed) -> None:
         # raised, it is the message's: the next call answers Raised, rebuilt here
-        _backward_through(placed, self.name, self.call, self.grads, self.accumulate)
+        _backward_through(placed, self.name, self.call, self.grads, self.accumulate,
+                          joined=self.joined)
 
 
-def _backward_through(placed: Placed, name: str, call: int, grads: list, accumulate: bool,
-                      then: int | None = None, asks: list | None = None) -> Any:
+def _kept(placed: Placed, name: str, call: int) -> tuple:
     got = placed.kept.get(call)
     if got is None:
         raise RuntimeError(
             f"a backward reached {name!r} for a call whose graph was freed: call "
             ".backward(retain_graph=True) the first time to go through it again")
-    leaves, outs, *fan = got
+    return got
+
+
+def _backward_through(placed: Placed, name: str, call: int, grads: list, accumulate: bool,
+                      then: int | None = None, asks: list | None = None,
+                      joined: tuple = ()) -> Any:
+    leaves, outs, *fan = _kept(placed, name, call)
     create = then is not None
     fan = fan[0] if fan and not create else {}  # (under create_graph: summed here)
     device = outs[0].device if outs else None
@@ -332,17 +341,23 @@ def _backward_through(placed: Placed, name: str, call: int, grads: list, accumul
     pairs = [(o, g) for o, g in zip(outs, given, strict=True)
              if g is not None and o.requires_grad]
     wanted = [leaf for leaf in leaves if leaf is not None]
+    also: list = []  # the joined answers' own leaves (the gradients they were given)
+    for number, gs in reversed(joined):  # (each joined answer's roots ahead of its parent's)
+        j_leaves, j_outs = _kept(placed, name, number)[:2]
+        pairs[:0] = [(o, g.to(device)) for o, g in zip(j_outs, gs, strict=True)
+                     if g is not None and o.requires_grad]
+        also += [leaf for leaf in j_leaves if leaf is not None]
     back: list = [None] * len(wanted)
     if pairs:
         with span(f"backward {name}", "node"), torch.set_grad_enabled(create), \
                 heard(fan) as told:
             o, g = [o for o, _ in pairs], [g for _, g in pairs]
             if accumulate:  # the weights' .grad too; the arguments' read and let go
-                for leaf in wanted:
+                for leaf in (*also, *wanted):
                     leaf.grad = None
                 torch.autograd.backward(o, g, retain_graph=True, create_graph=create)
                 back = [leaf.grad for leaf in wanted]
-                for leaf in wanted:
+                for leaf in (*also, *wanted):
                     leaf.grad = None
             elif wanted:
                 back = list(torch.autograd.grad(o, wanted, g, retain_graph=True,
