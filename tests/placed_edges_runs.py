@@ -417,6 +417,48 @@ def heat(out):
     both(Heat, out, max_steps=4)
 
 
+class TwoAnswers(Pinn):
+    """Two create_graph answers of one call, both in the loss with the call's output."""
+
+    def training_step(self, batch, i):
+        x = batch[0][:, :2].clone().requires_grad_()
+        u = self.encoder(x)
+        a, = torch.autograd.grad(u[:, 0].sum(), x, create_graph=True)
+        b, = torch.autograd.grad((u[:, 0] ** 2).sum(), x, create_graph=True)
+        loss = (a - b).pow(2).mean() + (u * self.scale).pow(2).mean()
+        self.log("loss", loss)
+        return loss
+
+
+def two_answers(out):
+    both(TwoAnswers, out, max_steps=4)
+
+
+class StemPenalty(pl.LightningModule):
+    """A gradient penalty on the placed module's argument, computed here by a stem and
+    used twice over there (two calls), with AdamW."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = nn.Linear(64, 8)
+        self.encoder = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+
+    def training_step(self, batch, i):
+        h = self.stem(batch[0])
+        u = self.encoder(h) + self.encoder(h * 2)
+        g, = torch.autograd.grad(u.sum(), h, create_graph=True)
+        loss = g.pow(2).mean() + u.pow(2).mean() + h.pow(2).mean() * 0.1
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def stem_penalty(out):
+    both(StemPenalty, out, max_steps=4)
+
+
 class Fgsm(pl.LightningModule):
     """FGSM by hand: autograd.grad on the input (which must not touch the weights' .grad),
     then the loss on the perturbed input."""

@@ -13,7 +13,8 @@ from scenario import scenario
 RUNS = "placed_edges_runs.py"
 pytestmark = pytest.mark.timeout(1500)  # one process runs every case (RPC starts once)
 CASES = ["attributes", "unpicklable", "structure", "hooks", "hook_outside", "contextvar",
-         "pinn", "heat", "wgan", "twice", "fgsm", "residual", "fan_out", "compiled_before",
+         "pinn", "heat", "two_answers", "stem_penalty", "wgan", "twice", "fgsm", "residual",
+         "fan_out", "compiled_before",
          "kv_cache", "raised", "module_list", "generator_argument", "parametrized",
          "weight_norm_hook"]
 
@@ -85,6 +86,14 @@ def test_a_pinn_differentiates_through_the_placed_net_with_create_graph(ran):
 
 def test_a_second_order_pinn_with_a_gradient_that_asks_for_one_back(ran):
     exact(ran("heat"), calls=3)  # on 1a8704c: losses differ at step 1, weights 3e-8 apart
+
+
+def test_two_create_graph_answers_of_one_call_and_its_output_in_one_loss(ran):
+    exact(ran("two_answers"), calls=3)  # on 1a8704c: losses differ, weights 1.5e-8 apart
+
+
+def test_a_gradient_penalty_on_an_argument_computed_here_and_passed_in_twice(ran):
+    exact(ran("stem_penalty"))  # on 1a8704c: losses differ, weights 3e-8 apart
 
 
 def test_wgan_gp_with_the_critic_placed_is_exact(ran):
