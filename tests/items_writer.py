@@ -31,6 +31,7 @@ def write(store, first: int, last: int, batch: int, seed: int) -> None:
     space = Items(store).space(MODULE, {"module": "writer"})
     ids = list(range(first, last))
     random.Random(seed).shuffle(ids)
+    print("writing", flush=True)  # (imports done: a killer times its signal from here)
     for at in range(0, len(ids), batch):
         chunk = ids[at:at + batch]
         locs = space.lookup([key_of(i) for i in chunk])

@@ -27,7 +27,8 @@ def test_a_writer_killed_at_random_points_never_leaves_a_wrong_row(tmp_path):
     # compactions, its last writes); reading after each checks every row it finds
     for r in range(20):
         p = start("write", tmp_path, 0, 3000, 7, r)
-        time.sleep(0.25 + rng.random() * 0.6)
+        assert p.stdout.readline() == b"writing\n"  # its imports done, however loaded the machine
+        time.sleep(0.05 + rng.random() * 0.6)
         p.send_signal(signal.SIGKILL)
         p.communicate(timeout=60)
         missing(tmp_path, 0, 3000)  # asserts each row read is the item's own
