@@ -5,18 +5,28 @@
  *
  * Written from the BLAKE3 specification (chunks of 1024 bytes, blocks of 64, 7 rounds,
  * a left subtree of the largest power of two of chunks below the whole). Every row of a
- * batch has the same length, so 16 rows go through the same steps side by side, one row
- * per vector lane: the SIMD width the one-call BLAKE3 of the whole batch has, where one
- * call per row fills 3 lanes of 16 (a row of 3 KB). _rows.py checks what it computes
- * against the blake3 package before using it. Little-endian hosts (the check says).
+ * batch has the same length, so LANES rows go through the same steps side by side, one row
+ * per vector lane: the SIMD width the one-call BLAKE3 of the whole batch has (16 lanes
+ * with AVX-512, 8 with AVX2, 4 otherwise: a wider vector than the registers hold spills
+ * the state, 1.5x slower on AVX2), where one call per row fills 3 lanes (a row of 3 KB).
+ * _rows.py checks what it computes against the blake3 package before using it.
+ * Little-endian hosts (the check says).
  */
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
+#ifndef LANES /* -DLANES=n to try another width */
+#if defined(__AVX512F__)
 #define LANES 16
+#elif defined(__AVX2__) || defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+#endif
 typedef uint32_t v32 __attribute__((vector_size(4 * LANES)));
 
 static const uint32_t IV[8] = {0x6A09E667u, 0xBB67AE85u, 0x3C6EF372u, 0xA54FF53Au,
@@ -90,6 +100,34 @@ static inline void load(v32 m[16], const uint8_t *const rows[LANES], size_t at, 
             memcpy(&m[4 + j], &w1, 64);
             memcpy(&m[8 + j], &w2, 64);
             memcpy(&m[12 + j], &w3, 64);
+        }
+        return;
+    }
+#endif
+#if defined(__AVX2__)
+    if (len == 64 && LANES == 8) {
+        /* 8 rows' blocks, each as two halves of 8 words, transposed 8 x 8 twice */
+        for (int h = 0; h < 2; h++) {
+            __m256i r[8], t[8], u[8];
+            for (int l = 0; l < 8; l++)
+                r[l] = _mm256_loadu_si256((const __m256i *)(rows[l] + at + 32 * h));
+            for (int k = 0; k < 4; k++) {
+                t[2 * k] = _mm256_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+                t[2 * k + 1] = _mm256_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+            }
+            for (int k = 0; k < 2; k++) {
+                u[4 * k] = _mm256_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+                u[4 * k + 1] = _mm256_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+                u[4 * k + 2] = _mm256_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+                u[4 * k + 3] = _mm256_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+            }
+            /* u[j] (rows 0-3), u[4 + j] (rows 4-7), 128-bit half L: word 4L + j */
+            for (int j = 0; j < 4; j++) {
+                __m256i lo = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+                __m256i hi = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+                memcpy(&m[8 * h + j], &lo, 32);
+                memcpy(&m[8 * h + 4 + j], &hi, 32);
+            }
         }
         return;
     }
