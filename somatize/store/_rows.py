@@ -35,11 +35,14 @@ _lock = threading.Lock()
 _native: list = []  # [] not tried yet; [None] none to be had; [function]
 
 
-def row_keys(key: bytes, raw: memoryview, n: int, address: int | None = None) -> list[bytes]:
+def row_keys(key: bytes, raw: memoryview | int, n: int,
+             address: int | None = None) -> list[bytes]:
     """One 16-byte key per row of ``raw`` (``n`` rows of one length, contiguous), keyed by
     ``key``; ``address``: where its bytes start (a tensor's ``data_ptr()``), which the native
-    hasher reads (without it, or without the hasher: one blake3 call a row)."""
-    rb = raw.nbytes // n if n else 0
+    hasher reads (without it, or without the hasher: one blake3 call a row). With an
+    address, ``raw`` may be just the bytes' count (where ``native()`` said it is there)."""
+    size = raw if isinstance(raw, int) else raw.nbytes
+    rb = size // n if n else 0
     if rb == 0:  # rows of no bytes: all the same
         return [blake3(b"", key=key).digest(16)] * n
     fn = native() if address else None

@@ -19,6 +19,7 @@ length-prefixed pieces): no row can be named like a whole value.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import weakref
@@ -36,7 +37,7 @@ from ..._node import kind_of
 from ..._say import say_once
 from ..._values import Opaque, bare
 from ...store._items import Items, Space
-from ...store._rows import row_keys
+from ...store._rows import native, row_keys
 from .._codec import DTYPES as CODEC_DTYPES
 from .._codec import TORCH_DTYPES
 from .._state import modules_of
@@ -65,13 +66,21 @@ def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
     n = x.shape[0]
     if n == 0:
         return []
-    # a key of its own per module and row layout, derived under our context: each row is
-    # then keyed BLAKE3 (a mode no whole-value key uses), 16 rows at a time (_rows)
-    key = blake3(bytes.fromhex(mkey) + f"{x.dtype}{list(x.shape[1:])}".encode(),
-                 derive_key_context=CONTEXT).digest()
-    raw = memoryview(x.reshape(n, -1).view(torch.uint8).numpy()).cast("B") if x.numel() \
+    key = _rows_key(mkey, x.dtype, tuple(x.shape[1:]))
+    size = x.numel() * x.element_size()
+    if size and native() is not None:  # the hasher reads the tensor's bytes where they are
+        return row_keys(key, size, n, x.data_ptr())
+    raw = memoryview(x.reshape(n, -1).view(torch.uint8).numpy()).cast("B") if size \
         else memoryview(b"")
-    return row_keys(key, raw, n, x.data_ptr())
+    return row_keys(key, raw, n)
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_key(mkey: str, dtype: torch.dtype, row: tuple[int, ...]) -> bytes:
+    """A key of its own per module and row layout, derived under our context: each row is
+    then keyed BLAKE3 (a mode no whole-value key uses), many rows at a time (_rows)."""
+    return blake3(bytes.fromhex(mkey) + f"{dtype}{list(row)}".encode(),
+                  derive_key_context=CONTEXT).digest()
 
 
 def items_of(store: Any) -> Items | None:
