@@ -53,7 +53,12 @@ def module_key(kind: str, state: str | None, salt: str | None) -> str:
     """The name under which a module's items are kept (its items' common part): the pieces
     of a whole-batch key (class, state and settings digest, salt, the call's state as
     ``_keys.state_of_call`` says it: autocast) under a domain of its own."""
-    return digest(["items", kind, state or "", salt or "", state_of_call()])
+    return _module_key(kind, state or "", salt or "", state_of_call())
+
+
+@functools.lru_cache(maxsize=256)
+def _module_key(*pieces: str) -> str:
+    return digest(["items", *pieces])  # asked at every batch, with the same pieces
 
 
 def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
@@ -299,8 +304,17 @@ def _check_code(name: str, kind: str, then: str | None, now: str | None) -> None
 
 
 def _device_of(module: Any) -> torch.device | None:
-    for t in (*module.parameters(), *module.buffers()):
-        return t.device
+    """Its first parameter's device, else its first buffer's (asked at every batch: the
+    modules' own tables, not ``parameters()``'s generators)."""
+    mods = list(module.modules())
+    for m in mods:
+        for t in m._parameters.values():
+            if t is not None:
+                return t.device
+    for m in mods:
+        for t in m._buffers.values():
+            if t is not None:
+                return t.device
     return None
 
 
