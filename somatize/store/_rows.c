@@ -196,3 +196,42 @@ void somatize_rows(const uint8_t *data, uint64_t n, uint64_t rb, const uint8_t k
             }
     }
 }
+
+/* A table of items served before: 16-byte keys (BLAKE3 output: their first 8 bytes are
+ * the hash) -> rows, open addressing, slots of 24 bytes (the key, the row + 1, 0 if the
+ * slot is empty), mask + 1 slots (a power of two, at most 3/4 full: _served.py). */
+static inline uint64_t first8(const uint8_t *k) { uint64_t h; memcpy(&h, k, 8); return h; }
+
+void somatize_table_put(uint8_t *table, uint64_t mask, const uint8_t *keys, const int64_t *rows,
+                        uint64_t n) {
+    for (uint64_t i = 0; i < n; i++) {
+        const uint8_t *k = keys + 16 * i;
+        for (uint64_t s = first8(k) & mask;; s = (s + 1) & mask) {
+            uint8_t *slot = table + 24 * s;
+            int64_t v;
+            memcpy(&v, slot + 16, 8);
+            if (v == 0 || memcmp(slot, k, 16) == 0) {
+                int64_t r = rows[i] + 1;
+                memcpy(slot, k, 16);
+                memcpy(slot + 16, &r, 8);
+                break;
+            }
+        }
+    }
+}
+
+/* out[i]: the row of key i; returns n, or the index of the first key not there */
+uint64_t somatize_table_get(const uint8_t *table, uint64_t mask, const uint8_t *keys,
+                            uint64_t n, int64_t *out) {
+    for (uint64_t i = 0; i < n; i++) {
+        const uint8_t *k = keys + 16 * i;
+        for (uint64_t s = first8(k) & mask;; s = (s + 1) & mask) {
+            const uint8_t *slot = table + 24 * s;
+            int64_t v;
+            memcpy(&v, slot + 16, 8);
+            if (v == 0) return i;
+            if (memcmp(slot, k, 16) == 0) { out[i] = v - 1; break; }
+        }
+    }
+    return n;
+}
