@@ -264,8 +264,10 @@ def _same_now(module: torch.nn.Module, then: list) -> bool:
             return False
         m0, ps0, bs0, items0 = then[i]
         i += 1
-        if m is not m0 or not _identical(tuple(m._parameters.values()), ps0) or not (
-                _identical(tuple(m._buffers.values()), bs0)):
+        if m is not m0:
+            return False
+        ps, bs = own_tensors(m)
+        if not _identical(ps, ps0) or not _identical(bs, bs0):
             return False
         j, left = 0, len(items0)
         for k, v in m.__dict__.items():

@@ -40,6 +40,7 @@ from ...store._items import Items, Space
 from ...store._rows import native, row_keys
 from .._codec import DTYPES as CODEC_DTYPES
 from .._codec import TORCH_DTYPES
+from .._private import first_device as _device_of
 from .._state import modules_of
 from ._cached import CachedForward, _refuse_trained_input
 from ._coupled import refuse_coupled, refuse_coupled_node
@@ -301,21 +302,6 @@ def _check_code(name: str, kind: str, then: str | None, now: str | None) -> None
                  f"code ({', '.join(diff)} changed since). They are used anyway: the code is "
                  "not part of the name. If the change alters what it produces, give it a salt "
                  "(.cached(salt='v2')) or another store")
-
-
-def _device_of(module: Any) -> torch.device | None:
-    """Its first parameter's device, else its first buffer's (asked at every batch: the
-    modules' own tables, not ``parameters()``'s generators)."""
-    mods = list(module.modules())
-    for m in mods:
-        for t in m._parameters.values():
-            if t is not None:
-                return t.device
-    for m in mods:
-        for t in m._buffers.values():
-            if t is not None:
-                return t.device
-    return None
 
 
 class PerItemForward(CachedForward):
