@@ -50,6 +50,24 @@ def test_a_batchs_keys_in_one_call_are_keyed_blake3_row_by_row(shape, dtype):
         assert item_keys(mkey, t) == one_by_one(mkey, x)
 
 
+@needs_cc
+@pytest.mark.parametrize("lanes", [4, 8, 16])
+def test_every_vector_width_gives_blake3s_bytes(tmp_path, lanes):
+    # the width this machine's build picks (16 with AVX-512, 8 with AVX2, else 4), and the
+    # others, built here too: each one checked as _load checks the one it uses
+    import ctypes
+    import subprocess
+
+    cc = shutil.which("cc") or shutil.which("gcc")
+    so = tmp_path / f"rows{lanes}.so"
+    subprocess.run([cc, *_rows.FLAGS, f"-DLANES={lanes}", "-o", str(so), str(_rows.SOURCE)],
+                   check=True, capture_output=True, timeout=120)
+    fn = ctypes.CDLL(str(so)).somatize_rows
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_char_p,
+                   ctypes.c_void_p]
+    assert _rows._agrees(fn)
+
+
 def test_without_the_native_hasher_the_keys_are_the_same(monkeypatch):
     x = torch.rand(37, 300, generator=torch.Generator().manual_seed(5))
     mkey = module_key("Enc", None, "v2")

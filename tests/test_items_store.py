@@ -271,3 +271,40 @@ def test_after_damage_and_a_second_copy_gc_verify_and_lookups_agree_on_the_live_
     gc(Items(tmp_path), grace=0)
     assert space_of(tmp_path).pack_names() == [good]  # ...and then its pack
     assert missing(tmp_path, 0, 20) == [] and verify(Items(tmp_path)) == []
+
+
+def test_items_served_before_are_found_in_one_call_as_the_dict_finds_them(tmp_path, monkeypatch):
+    from somatize.store import _rows
+    from somatize.store._served import Served
+
+    write(tmp_path, 0, 3000, 3000, seed=2)
+    sp = space_of(tmp_path)
+    ids = list(range(0, 3000, 7))
+    keys = [key_of(i) for i in ids]
+    assert sp.served(keys) is None  # nothing served yet
+    rows = sp.read(keys, sp.lookup(keys))
+    assert all(rows.ok)
+    got = sp.served(keys[::-1])  # every one read from the arena: answered at once
+    assert got is not None and got.ok == [True] * len(keys)
+    assert [bytes(memoryview(got.arena)[c * 4 * ROW[0]:(c + 1) * 4 * ROW[0]])
+            for c in got.codes] == [row_of(i) for i in ids[::-1]]
+    assert sp.served(keys + [key_of(1)]) is None  # one not served: asked of the index
+    write(tmp_path, 5000, 5010, 10, seed=3)  # a segment comes: what was served is forgotten
+    assert sp.served(keys) is None
+    # the table (where the native library is) and the dict alone answer alike, growing
+    both = [Served()]
+    assert (both[0]._fns is not None) == (_rows.native() is not None)
+    monkeypatch.setattr(_rows, "_native", [None])
+    both.append(Served())
+    assert both[1]._fns is None
+    many = [key_of(i) for i in range(5000)]
+    for s in both:
+        for at in range(0, 5000, 250):
+            s.add(many[at:at + 250], list(range(at, at + 250)))
+        s.add(many[:3], [7, 8, 9])  # a key served again, elsewhere: the last row counts
+    for s in both:
+        assert list(s.codes(many[:5])) == [7, 8, 9, 3, 4]
+        assert list(s.codes(many[4990:])) == list(range(4990, 5000))
+        assert s.codes(many[:4] + [key_of(6000)]) is None and s.codes([]) is None
+        s.clear()
+        assert s.codes(many[:1]) is None and len(s) == 0

@@ -28,7 +28,6 @@ import os
 import shutil
 import time
 import uuid
-from array import array
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +39,7 @@ from ._files import move_below, private_dir
 from ._index import Index, Loc
 from ._lock import Lock
 from ._packs import ITEM_SIZE, KEY, BadPack, Pack, row_digest, write_new, write_pack
+from ._served import Served
 
 log = logging.getLogger("somatize.store")
 _OPEN_PACKS = 256
@@ -68,7 +68,7 @@ class Rows:
     parts: list[tuple[Any, list[int], list[int]]] = field(default_factory=list)
     row_bytes: int = 0
     # or, every slot served from the arena: slot i is row ``codes[i]`` of ``arena``
-    codes: array | None = None
+    codes: Any = None  # an array of int64
     arena: Any = None
 
     def slot(self, i: int) -> bytes:
@@ -146,7 +146,7 @@ class Space:
         self._cap = self._fill = self._arena_bytes = 0
         # item key -> its row in the arena, for items the index sent there while
         # it stood as it does now (forgotten whenever a segment comes or goes)
-        self._served: dict[bytes, int] = {}
+        self._served = Served()
         self._generation = -1
 
     # -- reading ------------------------------------------------------------------------
@@ -163,12 +163,12 @@ class Space:
             self._served.clear()
             self._generation = self.index.generation
             return None
-        got = list(map(self._served.get, keys))
-        if not got or None in got or self._layout is None:
+        codes = self._served.codes(keys) if self._layout is not None else None
+        if codes is None:
             return None
         dtype, row = self._layout
-        return Rows(dtype, row, [True] * len(got), row_bytes=_row_bytes_of(self._layout),
-                    codes=array("q", got), arena=self._arena[0])
+        return Rows(dtype, row, [True] * len(keys), row_bytes=_row_bytes_of(self._layout),
+                    codes=codes, arena=self._arena[0])
 
     def read(self, keys: Sequence[bytes], locs: Sequence[Loc | None]) -> Rows:
         """Find the rows of ``locs`` (None: skipped). A row whose pack is gone, damaged or
@@ -188,14 +188,15 @@ class Space:
                 elif layout != (rows.dtype, rows.row):
                     continue
                 got = chunks.setdefault(at_chunk, ([], []))
-                served = self._served if len(self._served) < _SERVED else {}
+                mine = len(got[0])
                 for i in slots:
                     r = locs[i].row
                     if 0 <= r < n and kp[r * KEY:(r + 1) * KEY] == keys[i]:
                         got[0].append(i)
                         got[1].append(first + r)
                         rows.ok[i] = True
-                        served[keys[i]] = first + r
+                if len(self._served) < _SERVED:
+                    self._served.add([keys[i] for i in got[0][mine:]], got[1][mine:])
                 continue
             pack = self._pack(name)
             if pack is None:

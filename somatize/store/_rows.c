@@ -5,18 +5,28 @@
  *
  * Written from the BLAKE3 specification (chunks of 1024 bytes, blocks of 64, 7 rounds,
  * a left subtree of the largest power of two of chunks below the whole). Every row of a
- * batch has the same length, so 16 rows go through the same steps side by side, one row
- * per vector lane: the SIMD width the one-call BLAKE3 of the whole batch has, where one
- * call per row fills 3 lanes of 16 (a row of 3 KB). _rows.py checks what it computes
- * against the blake3 package before using it. Little-endian hosts (the check says).
+ * batch has the same length, so LANES rows go through the same steps side by side, one row
+ * per vector lane: the SIMD width the one-call BLAKE3 of the whole batch has (16 lanes
+ * with AVX-512, 8 with AVX2, 4 otherwise: a wider vector than the registers hold spills
+ * the state, 1.5x slower on AVX2), where one call per row fills 3 lanes (a row of 3 KB).
+ * _rows.py checks what it computes against the blake3 package before using it.
+ * Little-endian hosts (the check says).
  */
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
+#ifndef LANES /* -DLANES=n to try another width */
+#if defined(__AVX512F__)
 #define LANES 16
+#elif defined(__AVX2__) || defined(__AVX__)
+#define LANES 8
+#else
+#define LANES 4
+#endif
+#endif
 typedef uint32_t v32 __attribute__((vector_size(4 * LANES)));
 
 static const uint32_t IV[8] = {0x6A09E667u, 0xBB67AE85u, 0x3C6EF372u, 0xA54FF53Au,
@@ -94,6 +104,34 @@ static inline void load(v32 m[16], const uint8_t *const rows[LANES], size_t at, 
         return;
     }
 #endif
+#if defined(__AVX2__)
+    if (len == 64 && LANES == 8) {
+        /* 8 rows' blocks, each as two halves of 8 words, transposed 8 x 8 twice */
+        for (int h = 0; h < 2; h++) {
+            __m256i r[8], t[8], u[8];
+            for (int l = 0; l < 8; l++)
+                r[l] = _mm256_loadu_si256((const __m256i *)(rows[l] + at + 32 * h));
+            for (int k = 0; k < 4; k++) {
+                t[2 * k] = _mm256_unpacklo_epi32(r[2 * k], r[2 * k + 1]);
+                t[2 * k + 1] = _mm256_unpackhi_epi32(r[2 * k], r[2 * k + 1]);
+            }
+            for (int k = 0; k < 2; k++) {
+                u[4 * k] = _mm256_unpacklo_epi64(t[4 * k], t[4 * k + 2]);
+                u[4 * k + 1] = _mm256_unpackhi_epi64(t[4 * k], t[4 * k + 2]);
+                u[4 * k + 2] = _mm256_unpacklo_epi64(t[4 * k + 1], t[4 * k + 3]);
+                u[4 * k + 3] = _mm256_unpackhi_epi64(t[4 * k + 1], t[4 * k + 3]);
+            }
+            /* u[j] (rows 0-3), u[4 + j] (rows 4-7), 128-bit half L: word 4L + j */
+            for (int j = 0; j < 4; j++) {
+                __m256i lo = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
+                __m256i hi = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
+                memcpy(&m[8 * h + j], &lo, 32);
+                memcpy(&m[8 * h + 4 + j], &hi, 32);
+            }
+        }
+        return;
+    }
+#endif
     uint32_t w[LANES][16];
     for (int l = 0; l < LANES; l++) {
         if (len == 64) memcpy(w[l], rows[l] + at, 64);
@@ -157,4 +195,43 @@ void somatize_rows(const uint8_t *data, uint64_t n, uint64_t rb, const uint8_t k
                 memcpy(out + 16 * (i + l) + 4 * w, &v, 4);
             }
     }
+}
+
+/* A table of items served before: 16-byte keys (BLAKE3 output: their first 8 bytes are
+ * the hash) -> rows, open addressing, slots of 24 bytes (the key, the row + 1, 0 if the
+ * slot is empty), mask + 1 slots (a power of two, at most 3/4 full: _served.py). */
+static inline uint64_t first8(const uint8_t *k) { uint64_t h; memcpy(&h, k, 8); return h; }
+
+void somatize_table_put(uint8_t *table, uint64_t mask, const uint8_t *keys, const int64_t *rows,
+                        uint64_t n) {
+    for (uint64_t i = 0; i < n; i++) {
+        const uint8_t *k = keys + 16 * i;
+        for (uint64_t s = first8(k) & mask;; s = (s + 1) & mask) {
+            uint8_t *slot = table + 24 * s;
+            int64_t v;
+            memcpy(&v, slot + 16, 8);
+            if (v == 0 || memcmp(slot, k, 16) == 0) {
+                int64_t r = rows[i] + 1;
+                memcpy(slot, k, 16);
+                memcpy(slot + 16, &r, 8);
+                break;
+            }
+        }
+    }
+}
+
+/* out[i]: the row of key i; returns n, or the index of the first key not there */
+uint64_t somatize_table_get(const uint8_t *table, uint64_t mask, const uint8_t *keys,
+                            uint64_t n, int64_t *out) {
+    for (uint64_t i = 0; i < n; i++) {
+        const uint8_t *k = keys + 16 * i;
+        for (uint64_t s = first8(k) & mask;; s = (s + 1) & mask) {
+            const uint8_t *slot = table + 24 * s;
+            int64_t v;
+            memcpy(&v, slot + 16, 8);
+            if (v == 0) return i;
+            if (memcmp(slot, k, 16) == 0) { out[i] = v - 1; break; }
+        }
+    }
+    return n;
 }

@@ -33,13 +33,17 @@ SOURCE = Path(__file__).with_name("_rows.c")
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
 _lock = threading.Lock()
 _native: list = []  # [] not tried yet; [None] none to be had; [function]
+_libs: list = []  # the library it came from
 
 
-def row_keys(key: bytes, raw: memoryview, n: int, address: int | None = None) -> list[bytes]:
+def row_keys(key: bytes, raw: memoryview | int, n: int,
+             address: int | None = None) -> list[bytes]:
     """One 16-byte key per row of ``raw`` (``n`` rows of one length, contiguous), keyed by
     ``key``; ``address``: where its bytes start (a tensor's ``data_ptr()``), which the native
-    hasher reads (without it, or without the hasher: one blake3 call a row)."""
-    rb = raw.nbytes // n if n else 0
+    hasher reads (without it, or without the hasher: one blake3 call a row). With an
+    address, ``raw`` may be just the bytes' count (where ``native()`` said it is there)."""
+    size = raw if isinstance(raw, int) else raw.nbytes
+    rb = size // n if n else 0
     if rb == 0:  # rows of no bytes: all the same
         return [blake3(b"", key=key).digest(16)] * n
     fn = native() if address else None
@@ -64,6 +68,23 @@ def native():
     return _native[0]
 
 
+def table_functions():
+    """``(put, get)`` of the served items' table (``_served``), from the library the native
+    hasher came from; None where there is none."""
+    fn = native()
+    if fn is None:
+        return None
+    lib = _libs[-1]
+    put, get = lib.somatize_table_put, lib.somatize_table_get
+    put.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_void_p,
+                    ctypes.c_uint64]
+    put.restype = None
+    get.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_char_p, ctypes.c_uint64,
+                    ctypes.c_void_p]
+    get.restype = ctypes.c_uint64
+    return put, get
+
+
 def _load():
     if os.environ.get("SOMATIZE_NATIVE", "1") == "0":
         return None
@@ -71,7 +92,8 @@ def _load():
         path = _built()
         if path is None:
             return None
-        fn = ctypes.CDLL(str(path)).somatize_rows
+        lib = ctypes.CDLL(str(path))
+        fn = lib.somatize_rows
     except OSError as e:
         log.info("per-item keys: the native row hasher cannot be loaded (%s); rows are "
                  "hashed one call each", e)
@@ -84,6 +106,7 @@ def _load():
                     "bytes on this machine; it is not used (rows are hashed one call each). "
                     "Remove the file to build it again", path)
         return None
+    _libs.append(lib)
     return fn
 
 

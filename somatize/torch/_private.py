@@ -152,6 +152,21 @@ def own_tensors(m: torch.nn.Module) -> tuple[tuple, tuple]:
     return tuple(m._parameters.values()), tuple(m._buffers.values())
 
 
+def first_device(module: torch.nn.Module) -> torch.device | None:
+    """The device of ``module``'s first parameter, else of its first buffer (asked at every
+    batch: read from the modules' own tables, not through ``parameters()``)."""
+    mods = list(module.modules())
+    for m in mods:
+        for t in m._parameters.values():
+            if t is not None:
+                return t.device
+    for m in mods:
+        for t in m._buffers.values():
+            if t is not None:
+                return t.device
+    return None
+
+
 def own_structure(m: torch.nn.Module) -> tuple[dict, dict, frozenset, dict]:
     """``m``'s own parameters, buffers (each by name, in registration order, ``None``
     where one is registered as None), the names of its non-persistent buffers, and its

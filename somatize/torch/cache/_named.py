@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import types
 import weakref
 from typing import Any
@@ -37,7 +38,7 @@ from ..._reads import (
     value_namer,
     yours,
 )
-from .._private import ROUTED_CALL, own_tensors, version
+from .._private import ROUTED_CALL, own_tensors, versions
 
 # the device types whose autocast state is part of every key
 _AUTOCAST = ("cpu", "cuda", "xpu", "mps")
@@ -75,19 +76,22 @@ def _math_readers() -> list:
         cuda = torch.cuda.is_available()
         names = [n for n in known if n != "threads" and (cuda or n in _CPU)]
         names += [n for n in _CPU if n not in known]
-        _readers = [(n, known.get(n) or _reader(n)) for n in names]
+        _readers = [(n, _reader(n) if n.startswith("backends.") else known[n]) for n in names]
     return _readers
 
 
 def _reader(path: str):
+    """A read of ``torch.<path>``: of its attribute on the object that holds it, found once
+    (``torch.backends.mkldnn.matmul``: torch's own, never rebound), else found each time."""
     *owner, attr = path.split(".")
+    try:
+        o = functools.reduce(getattr, owner, torch)
+    except AttributeError:
+        return lambda: getattr(functools.reduce(getattr, owner, torch), attr)
+    return functools.partial(getattr, o, attr)
 
-    def read():
-        o: Any = torch
-        for part in owner:
-            o = getattr(o, part)
-        return getattr(o, attr)
-    return read
+
+_texts: dict[tuple, str] = {}  # the settings read -> their text (read at every call)
 
 
 def math_state() -> str:
@@ -95,10 +99,19 @@ def math_state() -> str:
     got = []
     for name, read in _math_readers():
         try:
-            got.append(f"{name}={read()!r}")
+            got.append((name, read()))
         except (AttributeError, RuntimeError):
             continue
-    return "math " + ",".join(got)
+    now = tuple(got)
+    try:
+        return _texts[now]
+    except KeyError:
+        text = "math " + ",".join(f"{name}={v!r}" for name, v in now)
+        if len(_texts) < 64:
+            _texts[now] = text
+        return text
+    except TypeError:  # a setting that cannot be a dict key
+        return "math " + ",".join(f"{name}={v!r}" for name, v in now)
 
 
 call_state(math_state)
@@ -187,14 +200,19 @@ class Watch:
     identity: an equal value set again only costs a new digest)."""
 
     def __init__(self, module: torch.nn.Module, state: list[tuple[str, torch.Tensor]]):
-        self.versions = [(t, version(t)) for _, t in state]
+        self.tensors = tuple(t for _, t in state)
+        self.versions = versions(self.tensors)
         self.seen = _seen(module)
         self.inner = _inner(module)  # what mutable attributes hold, by value
+        # the attributes whose value can change under its identity (the only ones _inner
+        # reads, while every attribute is the object it was: _same says so first)
+        self.maybe = [(m, k, v) for m in module.modules() for k, v in m.__dict__.items()
+                      if k not in _BOOKKEEPING and not _ours(k, v) and _may_mutate(v)]
 
     def changed(self, module: torch.nn.Module) -> bool:
         """Whether the module may compute differently than when this watch was set."""
-        return any(version(t) != v for t, v in self.versions) or not _same(
-            _seen(module), self.seen) or _inner(module) != self.inner
+        return versions(self.tensors) != self.versions or not _same_now(
+            module, self.seen) or _inner_of(self.maybe) != self.inner
 
 
 def _mutable(v: Any) -> bool:
@@ -206,15 +224,25 @@ def _mutable(v: Any) -> bool:
                                                              else ()))))
 
 
+def _may_mutate(v: Any) -> bool:
+    # what _mutable may say yes to (it looks at a container's content): by type alone
+    return isinstance(v, (types.FunctionType, types.MethodType)) or (
+        dataclasses.is_dataclass(v) and not isinstance(v, type)) or type(v) in (dict, list, set)
+
+
 def _inner(module: torch.nn.Module) -> list:
+    return _inner_of([(m, k, v) for m in module.modules() for k, v in m.__dict__.items()
+                      if k not in _BOOKKEEPING and not _ours(k, v)])
+
+
+def _inner_of(attrs: list) -> list:
     out = []
-    for m in module.modules():
-        for k, v in m.__dict__.items():
-            if k not in _BOOKKEEPING and not _ours(k, v) and _mutable(v):
-                try:
-                    out.append((id(m), k, _named(v, k, [], 0)))
-                except Unnamed:
-                    out.append((id(m), k, None))
+    for m, k, v in attrs:
+        if _mutable(v):
+            try:
+                out.append((id(m), k, _named(v, k, [], 0)))
+            except Unnamed:
+                out.append((id(m), k, None))
     return out
 
 
@@ -226,6 +254,37 @@ def _seen(module: torch.nn.Module) -> list:
                if type(v) is list else None)
               for k, v in m.__dict__.items() if k not in _BOOKKEEPING])
             for m in module.modules()]
+
+
+def _same_now(module: torch.nn.Module, then: list) -> bool:
+    """``_same(_seen(module), then)``, without making the list."""
+    n, i = len(then), 0
+    for m in module.modules():
+        if i == n:
+            return False
+        m0, ps0, bs0, items0 = then[i]
+        i += 1
+        if m is not m0:
+            return False
+        ps, bs = own_tensors(m)
+        if not _identical(ps, ps0) or not _identical(bs, bs0):
+            return False
+        j, left = 0, len(items0)
+        for k, v in m.__dict__.items():
+            if k in _BOOKKEEPING:
+                continue
+            if j == left:
+                return False
+            k0, v0, inner0 = items0[j]
+            j += 1
+            if k != k0 or v is not v0:
+                return False
+            if inner0 is not None and not _identical(
+                    (*v, *v.values()) if type(v) is dict else tuple(v), inner0):
+                return False
+        if j != left:
+            return False
+    return i == n
 
 
 def _same(now: list, then: list) -> bool:

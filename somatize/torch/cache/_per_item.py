@@ -19,6 +19,7 @@ length-prefixed pieces): no row can be named like a whole value.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import weakref
@@ -36,9 +37,10 @@ from ..._node import kind_of
 from ..._say import say_once
 from ..._values import Opaque, bare
 from ...store._items import Items, Space
-from ...store._rows import row_keys
+from ...store._rows import native, row_keys
 from .._codec import DTYPES as CODEC_DTYPES
 from .._codec import TORCH_DTYPES
+from .._private import first_device as _device_of
 from .._state import modules_of
 from ._cached import CachedForward, _refuse_trained_input
 from ._coupled import refuse_coupled, refuse_coupled_node
@@ -52,7 +54,12 @@ def module_key(kind: str, state: str | None, salt: str | None) -> str:
     """The name under which a module's items are kept (its items' common part): the pieces
     of a whole-batch key (class, state and settings digest, salt, the call's state as
     ``_keys.state_of_call`` says it: autocast) under a domain of its own."""
-    return digest(["items", kind, state or "", salt or "", state_of_call()])
+    return _module_key(kind, state or "", salt or "", state_of_call())
+
+
+@functools.lru_cache(maxsize=256)
+def _module_key(*pieces: str) -> str:
+    return digest(["items", *pieces])  # asked at every batch, with the same pieces
 
 
 def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
@@ -65,13 +72,21 @@ def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
     n = x.shape[0]
     if n == 0:
         return []
-    # a key of its own per module and row layout, derived under our context: each row is
-    # then keyed BLAKE3 (a mode no whole-value key uses), 16 rows at a time (_rows)
-    key = blake3(bytes.fromhex(mkey) + f"{x.dtype}{list(x.shape[1:])}".encode(),
-                 derive_key_context=CONTEXT).digest()
-    raw = memoryview(x.reshape(n, -1).view(torch.uint8).numpy()).cast("B") if x.numel() \
+    key = _rows_key(mkey, x.dtype, tuple(x.shape[1:]))
+    size = x.numel() * x.element_size()
+    if size and native() is not None:  # the hasher reads the tensor's bytes where they are
+        return row_keys(key, size, n, x.data_ptr())
+    raw = memoryview(x.reshape(n, -1).view(torch.uint8).numpy()).cast("B") if size \
         else memoryview(b"")
-    return row_keys(key, raw, n, x.data_ptr())
+    return row_keys(key, raw, n)
+
+
+@functools.lru_cache(maxsize=256)
+def _rows_key(mkey: str, dtype: torch.dtype, row: tuple[int, ...]) -> bytes:
+    """A key of its own per module and row layout, derived under our context: each row is
+    then keyed BLAKE3 (a mode no whole-value key uses), many rows at a time (_rows)."""
+    return blake3(bytes.fromhex(mkey) + f"{dtype}{list(row)}".encode(),
+                  derive_key_context=CONTEXT).digest()
 
 
 def items_of(store: Any) -> Items | None:
@@ -287,12 +302,6 @@ def _check_code(name: str, kind: str, then: str | None, now: str | None) -> None
                  f"code ({', '.join(diff)} changed since). They are used anyway: the code is "
                  "not part of the name. If the change alters what it produces, give it a salt "
                  "(.cached(salt='v2')) or another store")
-
-
-def _device_of(module: Any) -> torch.device | None:
-    for t in (*module.parameters(), *module.buffers()):
-        return t.device
-    return None
 
 
 class PerItemForward(CachedForward):
