@@ -114,10 +114,13 @@ def _release_math_threads() -> None:
                     getattr(dll, release)(*args)
 
 
+_MATH_LIBRARIES = ("libgomp", "libomp", "libiomp", "openblas")
+
+
 def _math_libraries() -> list[str]:
     with open("/proc/self/maps") as f:
         paths = {line.split()[-1] for line in f
-                 if any(k in line.rpartition("/")[2] for k in ("libgomp", "libomp", "libiomp", "openblas"))}
+                 if any(k in line.rpartition("/")[2] for k in _MATH_LIBRARIES)}
     return sorted(p for p in paths if p.startswith("/") and ".so" in p)
 
 
