@@ -1,9 +1,10 @@
 """A fork server forked from this process at the fit's start, where that is safe: it
 holds torch, its RPC and the compiler's modules imported already, so the first embedded
 worker starts in a fraction of a second instead of after a fresh interpreter's imports
-(2-5 s here). Each worker it forks starts as one forked from ``_fork_server.py`` does:
-somatize imported afresh, and torch's random state and global settings as a fresh
-interpreter has them.
+(2-5 s here). Each worker it forks starts as one forked from ``_fork_server.py`` does,
+with somatize imported afresh (by the server, as a worker's environment has it: never
+this process's modules of somatize), and torch's random state and global settings as a
+fresh interpreter has them.
 
     server = fork_here()          # None, and why logged, where it is not safe
     proc = server.popen(["-m", "somatize.remote", ...], env, cwd, stdin=subprocess.PIPE)
@@ -61,9 +62,9 @@ def fork_here(preload=()) -> ForkServer | None:
     sweep()
     where = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")  # 0700: this user's alone
     path = os.path.join(where, "socket")
-    # as requests from this process will read (spawn adds SERVING_ENV): what this process
-    # read at start is what its workers run with (libgomp's wait policy, huge pages)
-    mine = _fork_server.read_at_start(serving_env(dict(os.environ)))
+    # a worker's environment as spawn gives it (SERVING_ENV added): what this process read
+    # at start is what its workers run with (libgomp's wait policy, huge pages)
+    serving = serving_env(dict(os.environ))
     control_r, control_w = os.pipe()  # its stdin: closed when this process ends
     ready_r, ready_w = os.pipe()
     for f in (sys.stdout, sys.stderr):  # what is buffered is written once, here
@@ -71,7 +72,7 @@ def fork_here(preload=()) -> ForkServer | None:
             f.flush()
     pid = os.fork()
     if pid == 0:  # never returns
-        _serve_here(control_r, ready_w, path, mine, os.getppid(),
+        _serve_here(control_r, ready_w, path, serving, os.getppid(),
                     [*OPTIMIZER_IMPORTS, *preload])
     os.close(control_r)
     os.close(ready_w)
@@ -173,7 +174,7 @@ class _Child:
                 os.kill(self.pid, signal.SIGKILL)
 
 
-def _serve_here(control_r: int, ready_w: int, path: str, mine: dict, owner: int,
+def _serve_here(control_r: int, ready_w: int, path: str, serving: dict[str, str], owner: int,
                 imports: list[str]) -> None:
     """The forked server: serve until this process ends; in each fork it makes, run the
     worker asked for. Never returns."""
@@ -183,7 +184,9 @@ def _serve_here(control_r: int, ready_w: int, path: str, mine: dict, owner: int,
         _fresh_process()
         for name in imports:
             __import__(name)
-        forked = _fork_server._serve(path, [], mine=mine, owner=owner)
+        _import_as_a_worker(serving)
+        forked = _fork_server._serve(path, [], mine=_fork_server.read_at_start(serving),
+                                     owner=owner)
         if forked is None:
             os._exit(0)
         code = _run_forked(forked)
@@ -257,6 +260,33 @@ def _fresh_process() -> None:
         _dropped.append(loggers.pop(name))
     for name in [n for n in sys.modules if n == "somatize" or n.startswith("somatize.")]:
         _dropped.append(sys.modules.pop(name))  # each worker imports its own
+
+
+# what a worker imports of somatize before it serves (remote/_serve.py's main), imported
+# once here, afresh, as a worker's environment has it: somatize reads at import only
+# whether it serves (SOMATIZE_SERVING, _log) and SOMATIZE_ISOLATE, which a worker's
+# environment has as spawn gives it (serving_env); the rest it reads when it runs
+WORKER_MODULES = ("somatize.remote._serve", "somatize.remote._admit", "somatize.remote._sealed",
+                  "somatize.remote._secret", "somatize.remote._membership",
+                  "somatize.remote._exposure", "somatize.remote._settings",
+                  "somatize.remote._wire", "somatize.torch", "somatize.store",
+                  "somatize._engine", "cloudpickle")
+
+
+def _import_as_a_worker(serving: dict[str, str]) -> None:
+    import threading
+
+    was = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(serving)
+    try:
+        for name in WORKER_MODULES:
+            __import__(name)
+    finally:
+        os.environ.clear()
+        os.environ.update(was)
+    if threading.active_count() != 1:  # _serve refuses to fork then: said here first
+        print(f"somatize's modules started threads: {threading.enumerate()}", file=sys.stderr)
 
 
 def _run_forked(forked) -> int:
