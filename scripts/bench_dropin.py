@@ -159,8 +159,10 @@ def one(which: str, epochs: int) -> None:
                          enable_checkpointing=False, limit_val_batches=0, callbacks=[first])
     pl.seed_everything(0)
     trainer.fit(AutoEncoder(), data())
+    from somatize.remote._fork_here import current
+
     print(json.dumps({"first": first.at - t0, "whole": time.perf_counter() - t0,
-                      "server": waited[0]}))
+                      "server": waited[0], "here": current() is not None}))
 
 
 # what a worker holds before it builds an optimizer (the fork server imports it at start)
@@ -253,8 +255,10 @@ def startup(args) -> int:
         p, s = med["plain"][k], med["split"][k]
         print(f"{label:>20}: plain {p:7.2f} s, split {s:7.2f} s, ratio {s / p:5.2f}"
               + ("   (target <= 1.15)" if k == "whole" else "   (target <= 0.5 s)"))
-    print(f"  of the split's first batch, waiting for the fork server to import: "
-          f"{med['split']['server']:.2f} s; a fresh `python -c \"{_WORKER_IMPORTS}\"` "
+    here = sum(r.get("here", False) for r in got["split"])
+    print(f"  of the split's first batch, waiting for the fork server to be ready: "
+          f"{med['split']['server']:.2f} s (forked from the coordinator in {here} of "
+          f"{len(got['split'])} fits); a fresh `python -c \"{_WORKER_IMPORTS}\"` "
           f"here: {statistics.median(floor):.2f} s (every round: "
           f"{', '.join(f'{f:.2f}' for f in floor)})")
     steps = args.epochs * len(data())

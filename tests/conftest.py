@@ -32,7 +32,7 @@ PROCESSES = {
     "test_docs.py",
     "test_dropin.py",
     "test_dropin_cache.py", "test_faults.py", "test_fed_hosts.py", "test_fed_study.py",
-    "test_forks.py", "test_gpu_check.py", "test_graph_optimizers.py",
+    "test_fork_here.py", "test_forks.py", "test_gpu_check.py", "test_graph_optimizers.py",
     "test_hosts.py", "test_hosts_exposure.py",
     "test_hydra.py", "test_items_processes.py", "test_lightning.py",
     "test_lightning_split.py", "test_main_job.py", "test_microbatches_remote.py",

@@ -32,20 +32,23 @@ def with_store(workers: dict | None, store: str | None, place: Mapping[str, str]
 
 
 def warm_up(place: Mapping[str, str], workers: dict | None, graph_modules: list) -> None:
-    """With the fit (never in the constructor), a fork server starts importing torch while
-    Lightning sets up: the embedded workers are forked from it, and the first batch waits
-    only for them to join."""
+    """With the fit (never in the constructor), a fork server for the embedded workers:
+    forked from this process where that is safe (it has torch imported: a worker starts
+    in a fraction of a second), else a fresh one importing torch while Lightning sets up.
+    The first batch waits only for them to join."""
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return  # torchrun: ranks serve
     from ..remote import Worker, fork_workers
+    from ..remote._fork_here import current, fork_here
     from ..remote._forks import FORKS_ENV
 
     given = workers or {}
     embedded = [h for h in placed_hosts(place, graph_modules)
                 if not isinstance(given.get(h), str)
                 and (given.get(h) or Worker.embedded()).kind == "embedded"]
-    if embedded and not os.environ.get(FORKS_ENV):  # none of the user's own
-        fork_workers(wait=False)
+    if embedded and not os.environ.get(FORKS_ENV) and current() is None:  # none yet
+        if fork_here() is None:
+            fork_workers(wait=False)
 
 
 def check_place(place: Any) -> None:

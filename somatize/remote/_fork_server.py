@@ -38,10 +38,13 @@ def read_at_start(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(READ_AT_START) and k not in _NOT_READ}
 
 
-def _serve(path: str, preload: list[str]):
-    """Answer requests until stdin closes; returns only in a fork, with its request."""
+def _serve(path: str, preload: list[str], mine: dict | None = None, owner: int | None = None):
+    """Answer requests until stdin closes; returns only in a fork, with its request.
+    ``mine``: what starting read (default: this environment); ``owner``: the one process
+    it forks for (default: any of this user's, in its namespaces)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for its owner
-    mine = read_at_start(dict(os.environ))  # as started (an import may set more)
+    if mine is None:
+        mine = read_at_start(dict(os.environ))  # as started (an import may set more)
     for name in preload:
         __import__(name)
     import gc
@@ -80,7 +83,7 @@ def _serve(path: str, preload: list[str]):
         except (OSError, ValueError):
             conn.close()
             continue
-        why = _refusal(conn, request, fds, mine)
+        why = _refusal(conn, request, fds, mine, owner)
         if why is not None:
             for fd in fds:
                 os.close(fd)
@@ -103,11 +106,14 @@ def _serve(path: str, preload: list[str]):
         waiting[pid] = conn
 
 
-def _refusal(conn: socket.socket, request: dict, fds: list, mine: dict) -> str | None:
+def _refusal(conn: socket.socket, request: dict, fds: list, mine: dict,
+             owner: int | None = None) -> str | None:
     pid, uid, _ = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED,
                                                       struct.calcsize("3i")))
     if uid != os.getuid():
         return f"refused: uid {uid} is not this server's user"
+    if owner is not None and pid != owner:  # forked from its owner: it holds its modules
+        return f"refused: it forks for process {owner} only, not {pid}"
     if _namespaces(pid) != _namespaces(os.getpid()):  # a fork lives where its server does
         return "refused: it runs in other namespaces (network, mounts, pids) than this server"
     if len(fds) != 3 or not isinstance(request.get("argv"), list) or not request["argv"]:

@@ -19,6 +19,7 @@ import subprocess
 import sys
 
 from .._errors import WorkerError
+from ._fork_here import current as forked_here
 from ._forks import Forked
 from ._forks import named as forks_named
 from ._isolation import NETNS_ENV
@@ -39,7 +40,8 @@ from ._settings import loopback, loopback_iface, serving_env, settings
 
 def spawn(argv: list[str], netns=None) -> subprocess.Popen | Forked:
     """Start a serving process on this machine; it exits when its stdin closes. Forked
-    from the server ``SOMATIZE_FORKS`` names, where there is one (``fork_workers``).
+    from the server ``SOMATIZE_FORKS`` names, where there is one (``fork_workers``), else
+    from the one forked from this process (``_fork_here``).
     ``netns``: the run's network namespace (``_isolation.Namespace``), which it enters
     before it makes a socket."""
     env = serving_env(dict(os.environ))
@@ -52,7 +54,7 @@ def spawn(argv: list[str], netns=None) -> subprocess.Popen | Forked:
     paths = [os.path.abspath(p or os.getcwd()) for p in sys.path]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     env[RUN_KEY_ENV] = run_key().hex()  # the child's environment: no other user reads it
-    server = forks_named(env)
+    server = forks_named(env) or forked_here()
     if server is not None:  # over a socket only this user reaches
         forked = server.popen(["-m", "somatize.remote", *argv], env, os.getcwd(),
                               stdin=subprocess.PIPE)
