@@ -1,13 +1,15 @@
 """``somatize store {ls,du,verify,gc,drop} PATH``: look inside a store, check it, clean it.
 
-    somatize store ls /scratch/soma [PREFIX]   # names, node, class, fingerprint, size
+    somatize store ls /scratch/soma [PREFIX]   # names, node, class, fingerprint, size;
+                                               # studies' rounds: study, round, size
     somatize store du /scratch/soma            # blobs, names, bytes, on disk, what gc frees
     somatize store verify /scratch/soma        # exit 1 when a blob or a name is damaged
     somatize store gc /scratch/soma [--dry-run] [--grace SECONDS]
     somatize store drop /scratch/soma MODULE   # one module's per-item entries, alone
 
 Per-item memory (``items/``: packs and their index) is listed, measured, checked and
-cleaned beside the names and blobs.
+cleaned beside the names and blobs; so are the rounds a study's hub keeps
+(``store._rounds``: ``gc`` keeps each study's latest ``--keep-rounds``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from blake3 import blake3
 
 from .store import Store
 from .store import _items_care as items
+from .store import _rounds as rounds
 
 
 def _ls(store: Store, prefix: str) -> int:
@@ -31,6 +34,9 @@ def _ls(store: Store, prefix: str) -> int:
               f"class={e.meta.get('class', '-')}\tcode={fp}\tblob={e.blob[:12]}")
     for line in items.ls_lines(store.path):
         print(line)
+    if rounds.RECORD.startswith(prefix) or prefix.startswith(rounds.RECORD):
+        for line in rounds.ls_lines(store):
+            print(line)
     return 0
 
 
@@ -87,6 +93,7 @@ def _verify(store: Store) -> int:
         if e is not None:
             by_blob.setdefault(e.blob, []).append(e)
     on_disk = dict(store.blobs())
+    problems: dict[str, str] = {}  # blob: what is wrong with it
     for blob in sorted(set(on_disk) | set(by_blob)):
         named = by_blob.get(blob, [])
         why = store.check_blob(blob)
@@ -98,6 +105,7 @@ def _verify(store: Store) -> int:
                       "kept again)", file=sys.stderr)
         elif why is not None:
             bad += 1
+            problems[blob] = why
             names = ", ".join(e.name for e in named) or "no name"
             print(f"damaged: blob {blob[:16]} ({names}): {why}. Delete "
                   f"{store.blob_path(blob)} (its values are recomputed and kept again)",
@@ -109,7 +117,7 @@ def _verify(store: Store) -> int:
                     print(f"damaged: name file {store.name_path(e.name)}: it says {e.size} "
                           f"bytes, blob {blob[:16]} has {on_disk[blob]}. Delete it (its value "
                           "is recomputed and named again)", file=sys.stderr)
-    for problem in items.verify(items.Items(store.path)):
+    for problem in [*rounds.verify(store, problems), *items.verify(items.Items(store.path))]:
         bad += 1
         print(problem, file=sys.stderr)
     print(f"{store.path}: {len(on_disk)} blobs, {sum(map(len, by_blob.values()))} names, "

@@ -68,7 +68,8 @@ def _start_hub(d, studies, resume=False):
     ready = d / f"port-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "somatize", "hub", "--listen", "127.0.0.1:0",
            "--identity", str(d / "pki" / "hub.pem"), "--ca", str(d / "pki" / "ca.pem"),
-           "--checkpoints", str(d / "ck"), "--audit", str(d / "audit.jsonl"),
+           "--checkpoints", str(d / "ck"), "--store", str(d / "store"),
+           "--audit", str(d / "audit.jsonl"),
            "--ready", str(ready)]
     for s in studies:
         cmd += ["--study", str(d / f"{s}.toml")]
@@ -389,13 +390,11 @@ def test_v1_in_rounds_of_two_steps_equals_its_simulation_at_every_barrier(study)
 
 def test_a_round_exports_as_a_plain_state_dict_that_loads_without_somatize(study, tmp_path,
                                                                           capsys):
-    # somatize fed export: the shared module and the round's FedAvg of the parts, one
-    # plain state_dict (torch.load(weights_only=True) takes tensors in plain containers
-    # only: nothing of somatize in it); it loads into the LightningModule, strict, and
-    # equals FedAvg of three plain Lightning fits, at the last barrier and the first
-    import shutil
-
-    from safetensors.torch import save_file
+    # somatize fed export: the shared module and the round's FedAvg of the parts, read
+    # from the hub's store (--store), one plain state_dict (torch.load(weights_only=True)
+    # takes tensors in plain containers only: nothing of somatize in it); it loads into
+    # the LightningModule, strict, and equals FedAvg of three plain Lightning fits, at
+    # the last barrier and the first (test_fed_store.py: the store's side of it)
     from test_fed import _plain_fedavg
 
     from somatize import Refused
@@ -406,26 +405,29 @@ def test_a_round_exports_as_a_plain_state_dict_that_loads_without_somatize(study
     out = tmp_path / "v1.pt"
     from somatize._cli import main
 
-    assert main(["fed", "export", str(d / "ck"), "v1", "--shared", "trunk", "--out",
+    assert main(["fed", "export", str(d / "store"), "v1", "--shared", "trunk", "--out",
                  str(out)]) == 0  # the command's code, in this process
     assert "entries of study 'v1'" in capsys.readouterr().out
-    assert main(["fed", "export", str(d / "ck"), "nope", "--shared", "trunk", "--out",
+    assert main(["fed", "export", str(d / "store"), "nope", "--shared", "trunk", "--out",
                  str(out)]) == 1
-    assert "no checkpoint of study 'nope'" in capsys.readouterr().err
+    assert "keeps no round of study 'nope'" in capsys.readouterr().err
     last, first = make_net(cfg), make_net(cfg)  # (plain LightningModules)
     last.load_state_dict(torch.load(out, weights_only=True))
-    first.load_state_dict(export_round(d / "ck", "v1", "trunk", round=1))
+    first.load_state_dict(export_round(d / "store", "v1", "trunk", round=1))
     _same(last.state_dict(), _plain_fedavg(cfg, list("abc"), rounds=2)["a"].state_dict())
     _same(first.state_dict(), _plain_fedavg(cfg, list("abc"), rounds=1)["a"].state_dict())
-    trunk, _ = load_round(d / "ck", "v1")
+    trunk, ledger = load_round(d / "ck", "v1")
     _same({k[6:]: v for k, v in last.state_dict().items() if k.startswith("trunk.")}, trunk)
     parts = {k: v for k, v in last.state_dict().items() if not k.startswith("trunk.")}
     _same(parts, _run(d, "v1", "a")["state"])  # what each owner loaded at the barrier
-    # an average that is not the one the ledger names is refused, naming the file
-    shutil.copytree(d / "ck" / "v1", tmp_path / "ck" / "v1")
-    save_file({k: v + 1 for k, v in parts.items()},
-              str(tmp_path / "ck" / "v1" / "round-2" / "average.safetensors"))
-    with pytest.raises(Refused, match="average.safetensors is not the average the ledger"):
-        export_round(tmp_path / "ck", "v1", "trunk")
-    with pytest.raises(Refused, match="no barrier round-7"):
-        export_round(d / "ck", "v1", "trunk", round=7)
+    from somatize.fed._rounds import average_digest  # the record's digest is the ledger's
+
+    assert [e["digest"] for e in ledger if e["kind"] == "average"][-1] == average_digest(parts)
+    # the stopped and resumed study's rounds: every barrier, each kept once
+    from somatize.store import Store
+    from somatize.store._rounds import records
+
+    assert [r.round for r in records(Store(d / "store"))[0] if r.study == "res"] == [1, 2, 3, 4]
+    with pytest.raises(Refused, match=r"keeps no round 7 of study 'v1' \(it keeps rounds "
+                                      r"\[1, 2\]"):
+        export_round(d / "store", "v1", "trunk", round=7)

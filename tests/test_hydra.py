@@ -4,6 +4,7 @@
 import os
 import re
 
+import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
@@ -56,6 +57,31 @@ def test_split_option_places_what_somatize_place_says_the_body_unless_overridden
                            ).place == place, overrides
 
 
+def test_split_option_takes_rng_derived_from_the_hydra_line_and_refuses_another_value():
+    from hydra.errors import InstantiationException
+
+    from somatize.lightning._derived import derived_draws
+    from somatize.remote import Worker
+
+    def draws(strategy):
+        return derived_draws(strategy.workers, strategy.place, strategy.rng, strategy.rng_key)
+
+    sent = instantiate(config("+somatize=split").trainer.strategy)
+    assert (sent.rng, sent.rng_key, draws(sent)) == ("sent", "somatize", None)
+    derived = instantiate(config("+somatize=split", "somatize.rng=derived").trainer.strategy)
+    assert (derived.rng, draws(derived).keys) == ("derived", {"body": "somatize"})
+    keyed = instantiate(config("+somatize=split", "somatize.rng=derived", "somatize.rng_key=run-7",
+                               "++somatize.place.head=gpu",
+                               'somatize.workers={gpu: "127.0.0.1:7000"}').trainer.strategy)
+    assert draws(keyed).keys == {"body": "run-7", "head": "run-7"}  # an address: the line's
+    # a Worker given in Python says its own
+    assert draws(type(keyed)(place={"body": "w"}, workers={"w": Worker.at("h:1")},
+                             rng="derived")) is None
+    with pytest.raises(InstantiationException) as e:
+        instantiate(config("+somatize=split", "somatize.rng=derivd").trainer.strategy)
+    assert "SomatizeStrategy(rng='derivd'): say one of 'sent', 'derived'" in str(e.value)
+
+
 def test_cached_option_caches_the_body_by_name_and_adds_the_callback():
     cfg = config("+somatize=cached", "somatize.store=/tmp/nowhere")
     assert cfg.data.shuffle  # shuffled: the body's outputs are kept item by item
@@ -88,8 +114,10 @@ def test_python_train_py_trains_plainly(tmp_path):
 
 def test_python_train_py_places_the_module_the_command_line_names(tmp_path):
     out = train(tmp_path, "+somatize=split", "~somatize.place", "+somatize.place={head: worker}",
-                "test=false")
+                "somatize.rng=derived", "test=false")
     assert pid_of(out, "head", "worker 'worker'") != pid_of(out, "body")
+    assert ("placed modules ['head'] draw their randomness over there from a generator "
+            "derived per call (rng='derived')") in out, out[-3000:]
     # and a local worker process was started for it (the control of test_torchrun's
     # "none was"): what an embedded worker logs with no OpenMP wait policy given
     if not set(EMBEDDED_SAYS_UNLESS) & set(os.environ):

@@ -3,9 +3,9 @@ certificates; a round exported as a plain state_dict).
 
     somatize fed ca pki/                          # the study's CA: pki/ca.pem, pki/ca.key
     somatize fed cert pki/ hub hospital-a hospital-b
-    somatize fed export /srv/somatize/fed ct-2027 --shared trunk --out ct-2027.pt
     somatize hub --study ct-2027.toml --listen 0.0.0.0:7443 --identity pki/hub.pem \\
-        --ca pki/ca.pem --checkpoints /srv/somatize/fed
+        --ca pki/ca.pem --checkpoints /srv/somatize/fed --store /srv/somatize/store
+    somatize fed export /srv/somatize/store ct-2027 --shared trunk --out ct-2027.pt
 """
 
 from __future__ import annotations
@@ -27,6 +27,11 @@ def hub_main(argv: list[str]) -> int:
     ap.add_argument("--ca", required=True, help="the study's CA certificate")
     ap.add_argument("--checkpoints", help="write each round barrier's state here")
     ap.add_argument("--resume", action="store_true", help="start from the last barrier there")
+    ap.add_argument("--store", help="keep each round's shared state and FedAvg in this "
+                                    "store (what `somatize fed export` reads)")
+    ap.add_argument("--keep-rounds", type=int, default=0,
+                    help="the latest rounds of each study `somatize store gc` keeps "
+                         "(default 0: every round)")
     ap.add_argument("--audit", help="write one JSON line per message received here")
     ap.add_argument("--ready", help="write the port listened on to this file once serving")
     args = ap.parse_args(argv)
@@ -38,7 +43,8 @@ def hub_main(argv: list[str]) -> int:
     hubs = {}
     for path in args.study:
         cfg = StudyConfig.load(path)
-        hubs[cfg.name] = StudyHub(cfg, args.checkpoints, resume=args.resume)
+        hubs[cfg.name] = StudyHub(cfg, args.checkpoints, resume=args.resume,
+                                  store=args.store, keep_rounds=args.keep_rounds)
     server = serve(hubs, args.listen, args.identity, args.ca, audit=args.audit)
     host = args.listen.rpartition(":")[0]
     print(f"somatize hub: studies {sorted(hubs)} on {host}:{server.port}", flush=True)
@@ -57,15 +63,17 @@ def hub_main(argv: list[str]) -> int:
 
 
 def export_main(argv: list[str]) -> int:
-    """Write a round barrier of a study as one plain state_dict of the whole model (the
-    shared module under --shared, the round's FedAvg of the owners' parts): it loads
-    into the LightningModule with torch.load and load_state_dict, without somatize."""
+    """Write a round barrier of a study, read from the hub's store with its digests
+    checked, as one plain state_dict of the whole model (the shared module under
+    --shared, the round's FedAvg of the owners' parts): it loads into the
+    LightningModule with torch.load and load_state_dict, without somatize."""
     ap = argparse.ArgumentParser(prog="somatize fed export", description=export_main.__doc__)
-    ap.add_argument("checkpoints", help="the hub's --checkpoints directory")
+    ap.add_argument("store", help="the hub's --store directory")
     ap.add_argument("study", help="the study's name")
     ap.add_argument("--shared", required=True,
                     help="the shared module's path in the owners' model (place= key)")
-    ap.add_argument("--round", type=int, help="the barrier before this round (default: latest)")
+    ap.add_argument("--round", type=int,
+                    help="the barrier after this many rounds (default: the latest kept)")
     ap.add_argument("--out", required=True,
                     help="FILE.pt (torch.save) or FILE.safetensors")
     args = ap.parse_args(argv)
@@ -75,7 +83,7 @@ def export_main(argv: list[str]) -> int:
     from ._rounds import export_round
 
     try:
-        state = export_round(args.checkpoints, args.study, args.shared, args.round)
+        state = export_round(args.store, args.study, args.shared, args.round)
     except Refused as e:
         print(f"somatize fed export: {e}", file=sys.stderr)
         return 1
@@ -94,7 +102,7 @@ def export_main(argv: list[str]) -> int:
 
 def fed_main(argv: list[str]) -> int:
     """``ca DIR``: make a study's CA; ``cert DIR NAME...``: a certificate per party;
-    ``export CHECKPOINTS STUDY --shared PATH --out FILE``: a round as a state_dict."""
+    ``export STORE STUDY --shared PATH --out FILE``: a round as a state_dict."""
     from ._certs import issue, make_ca
 
     if argv[:1] == ["export"]:
@@ -109,5 +117,5 @@ def fed_main(argv: list[str]) -> int:
             print(f"{name}: {issue(argv[1], name)}")
         return 0
     print("usage: somatize fed ca DIR | somatize fed cert DIR NAME [NAME...] | somatize fed "
-          "export CHECKPOINTS STUDY --shared PATH --out FILE [--round R]", file=sys.stderr)
+          "export STORE STUDY --shared PATH --out FILE [--round R]", file=sys.stderr)
     return 2

@@ -2,7 +2,7 @@
 per owner in V1, one module in V2), its optimizer, the owner-steps, the round barriers,
 FedAvg of the owners' parts, the ledger and the checkpoints.
 
-    hub = StudyHub(StudyConfig.load("ct-2027.toml"), checkpoints="ckpt/")
+    hub = StudyHub(StudyConfig.load("ct-2027.toml"), checkpoints="ckpt/", store="store/")
     kind, fields, tensors = hub.handle("hospital-a", "Forward", {...}, {"x": activations})
 """
 
@@ -22,7 +22,7 @@ from ._average import average
 from ._config import StudyConfig
 from ._flat import flat_optimizer, unflat_optimizer
 from ._frames import Refusal
-from ._rounds import average_digest, tensor_digest, write_round
+from ._rounds import average_digest, check_keep, keep_round, tensor_digest, write_round
 from ._seeds import generator_seed, seeded
 
 log = logging.getLogger(__name__)
@@ -30,12 +30,17 @@ log = logging.getLogger(__name__)
 
 class StudyHub:
     """One study's state on the hub; ``handle`` is thread-safe (the transport calls it
-    from its threads). ``checkpoints``: a directory, written at each round barrier."""
+    from its threads). ``checkpoints``: a directory, written at each round barrier (to
+    resume from); ``store``: a store each barrier's shared state and average are kept in
+    (to export from, ``somatize fed export``), its ``keep_rounds`` latest rounds live
+    (0: every round)."""
 
     def __init__(self, config: StudyConfig, checkpoints: str | Path | None = None,
-                 resume: bool = False):
+                 resume: bool = False, store: str | Path | None = None,
+                 keep_rounds: int = 0):
         self.cfg = config
         self.dir = Path(checkpoints) / config.name if checkpoints else None
+        self.store, self.keep_rounds = store, check_keep(config.name, store, keep_rounds)
         self.cond = threading.Condition()
         self.compute = threading.Lock()  # one computation at a time: the global RNG is seeded
         self.round = 0
@@ -333,7 +338,7 @@ class StudyHub:
             for m in self.copies.values():
                 m.load_state_dict(trunk)
         digest = average_digest(avg)
-        self.averaged = avg  # written with the barrier's checkpoint (what export reads)
+        self.averaged = avg  # kept in the store with the barrier (what export reads)
         self.ledger.append({"round": r, "kind": "average", "owners": taking,
                             "rows": weights, "digest": digest})
         self.answer[r] = (digest, avg)
@@ -360,7 +365,10 @@ class StudyHub:
 
     def _checkpoint(self) -> None:
         if self.dir is not None:
-            write_round(self.dir, self.round, *self.state(), self.averaged)
+            write_round(self.dir, self.round, *self.state())
+        if self.store is not None:
+            keep_round(self.store, self.cfg.name, self.round, self.trunk.state_dict(),
+                       self.averaged, self.keep_rounds)
 
     def _resume(self) -> None:
         if self.dir is None or not (self.dir / "latest").exists():

@@ -1,18 +1,22 @@
-"""A study's round barriers on disk, as the hub writes them: ``<dir>/<study>/round-<r>/``
-holds the shared module (and V1's copies, the optimizers' tensors) as safetensors, the
-round's FedAvg of the owners' parts (``average.safetensors``, named in the ledger by its
-digest), and the round, the ledger and the optimizers' other entries as JSON. A round is
-read back (``load_round``), or exported as a plain state_dict of the whole model
-(``export_round``, ``somatize fed export``): the FedAvg as export, loaded without somatize.
+"""A study's round barriers, as the hub keeps them. On disk, for resuming:
+``<dir>/<study>/round-<r>/`` holds the shared module (and V1's copies, the optimizers'
+tensors) as safetensors and the round, the ledger and the optimizers' other entries as
+JSON (``write_round``, ``load_round``). In the store (``somatize hub --store``), for
+export: each averaged tensor a content-addressed value and a record per round naming
+them (``keep_round``; ``somatize.store._rounds`` says which rounds ``gc`` keeps). A
+round is exported from the store, its digests checked, as one plain state_dict of the
+whole model (``export_round``, ``somatize fed export``): the FedAvg as export, loaded
+without somatize.
 
     trunk, ledger = load_round("ckpt/", "ct-2027")
-    state = export_round("ckpt/", "ct-2027", shared="trunk")   # {"trunk.0.weight": ...}
-    model.load_state_dict(state)                               # a plain LightningModule
+    state = export_round("store/", "ct-2027", shared="trunk")   # {"trunk.0.weight": ...}
+    model.load_state_dict(state)                                # a plain LightningModule
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +24,8 @@ import torch
 from blake3 import blake3
 
 from .._errors import Refused
+
+log = logging.getLogger(__name__)
 
 
 def tensor_digest(t: torch.Tensor) -> str:
@@ -34,17 +40,13 @@ def average_digest(avg: dict[str, torch.Tensor]) -> str:
                            for k in sorted(avg))).hexdigest()[:32]
 
 
-def write_round(d: Path, round: int, tensors: dict, meta: dict,
-                average: dict[str, torch.Tensor] | None) -> None:
-    """The barrier before ``round``: the hub's state, and the average that closed it."""
+def write_round(d: Path, round: int, tensors: dict, meta: dict) -> None:
+    """The barrier before ``round``: the hub's state, to resume from."""
     from safetensors.torch import save_file
 
     r = d / f"round-{round}"
     r.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(r / "state.safetensors"))
-    if average:
-        save_file({k: v.detach().contiguous() for k, v in average.items()},
-                  str(r / "average.safetensors"))
     (r / "state.json").write_text(json.dumps(meta))
     (d / "latest").write_text(str(round))
 
@@ -76,31 +78,98 @@ def load_round(checkpoints: str | Path, study: str, round: int | None = None
     return {k[6:]: v for k, v in tensors.items() if k.startswith("trunk.")}, meta["ledger"]
 
 
-def export_round(checkpoints: str | Path, study: str, shared: str,
-                 round: int | None = None) -> dict[str, Any]:
-    """The model after ``round``'s barrier (the latest by default) as one plain
-    state_dict: the shared module under ``shared.`` (its path in the owners' model) and
-    the round's FedAvg of the owners' parts under their own names, checked against the
-    ledger's digest of that average. It loads into the LightningModule with plain
-    ``load_state_dict`` (``strict=False`` when the study averages only some parts)."""
-    from safetensors.torch import load_file
+def check_keep(study: str, store: Any, keep: int) -> int:
+    """``keep`` (rounds ``gc`` keeps), once ``study`` is known to fit in ``store``'s
+    names; Refused otherwise."""
+    from ..store._rounds import record_name
 
-    d = _round_dir(checkpoints, study, round)
-    trunk, ledger = load_round(checkpoints, study, int(d.name[6:]))
-    out = {f"{shared}.{k}": v for k, v in trunk.items()}
-    averages = [e for e in ledger if e["kind"] == "average"]
-    if (d / "average.safetensors").exists():
-        avg = load_file(str(d / "average.safetensors"))
-        if not averages or averages[-1].get("digest") != average_digest(avg):
-            raise Refused(f"{d / 'average.safetensors'} is not the average the ledger names "
-                          f"(digest {averages[-1].get('digest') if averages else None}): "
-                          "the checkpoint was altered or mixed with another's")
-        clash = sorted(k for k in avg if k in out)
-        if clash:
-            raise Refused(f"the study averages {clash[:3]}, under the shared module's path "
-                          f"{shared!r}: give the path the owners place it at")
-        out.update(avg)
-    elif averages and averages[-1].get("digest") != average_digest({}):
-        raise Refused(f"{d} holds no average.safetensors (a hub older than export wrote "
-                      "it): only the shared module can be exported from it")
+    if store is not None:
+        try:
+            record_name(study, 0)
+        except ValueError as e:
+            raise Refused(f"study {study!r} cannot be kept in store {store}: {e}; rename "
+                          "the study (name = ... in its TOML)") from None
+    if not isinstance(keep, int) or keep < 0:
+        raise Refused(f"study {study!r}: keep_rounds = {keep!r}; say how many latest rounds "
+                      "the store keeps (0: every round)")
+    return keep
+
+
+def keep_round(store: Any, study: str, round: int, shared: dict[str, torch.Tensor],
+               average: dict[str, torch.Tensor], keep: int = 0) -> str | None:
+    """Keep the barrier before ``round`` in ``store`` (a ``Store`` or its path): the
+    shared module's state and the FedAvg of the owners' parts, each tensor under its
+    content's address, then the record naming them (last: a record never names what is
+    not kept). ``keep``: how many of the study's latest rounds ``gc`` keeps (0: all).
+    Returns the record's name, or None when something could not be kept (said)."""
+    import somatize.torch  # noqa: F401 (the tensor codec)
+
+    from ..store import Store
+    from ..store._rounds import TENSOR_KIND, record_name, record_value
+
+    store = store if isinstance(store, Store) else Store(store)
+    name = record_name(study, round)
+    meta = {"study": study, "round": str(round)}
+    names: dict[str, dict[str, str]] = {"shared": {}, "average": {}}
+    for part, tensors in (("shared", shared), ("average", average)):
+        for k, t in tensors.items():
+            got = store.put_addressed(TENSOR_KIND, t.detach().cpu().contiguous(), meta)
+            if got is None:
+                log.warning("study %s: round %d is not kept in %s (its tensor %s could not "
+                            "be): it cannot be exported", study, round, store.path, k)
+                return None
+            names[part][k] = got
+    value = record_value(study, round, keep, average_digest(average), **names)
+    if not store.put(name, value, {**meta, "keep": str(keep)}):
+        return None
+    return name
+
+
+def export_round(store: Any, study: str, shared: str, round: int | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """The model after ``round``'s barrier (the latest kept by default), read from
+    ``store`` (a ``Store`` or its path) as one plain state_dict: the shared module under
+    ``shared.`` (its path in the owners' model) and the round's FedAvg of the owners'
+    parts under their own names. Each tensor is checked against its content address and
+    the average against the ledger's digest of it. It loads into the LightningModule
+    with plain ``load_state_dict`` (``strict=False`` when the study averages only some
+    parts)."""
+    import somatize.torch  # noqa: F401 (the tensor codec)
+
+    from ..store import Store
+    from ..store._rounds import TENSOR, read_record, record_name, records
+
+    store = store if isinstance(store, Store) else Store(store)
+    if round is None:
+        have = [r.round for r in records(store)[0] if r.study == study]
+        if not have:
+            raise Refused(f"store {store.path} keeps no round of study {study!r}: give the "
+                          "store the hub was started with (somatize hub --store)")
+        round = max(have)
+    rec = read_record(store, record_name(study, round))
+    if rec is None:
+        have = sorted(r.round for r in records(store)[0] if r.study == study)
+        raise Refused(f"store {store.path} keeps no round {round} of study {study!r} (it "
+                      f"keeps rounds {have}; `somatize store verify {store.path}` says "
+                      "whether one is damaged)")
+    got: dict[str, dict[str, torch.Tensor]] = {"shared": {}, "average": {}}
+    for part, names in (("shared", rec.shared), ("average", rec.average)):
+        for k, name in names.items():
+            e = store.entry(name)
+            kept = store.get(name) if e is not None and e.blob == name[len(TENSOR):] else None
+            if kept is None or not isinstance(kept.value, torch.Tensor):
+                raise Refused(f"study {study!r} round {round}: {part} tensor {k!r} ({name}) "
+                              f"is missing or damaged in store {store.path}: export another "
+                              f"round (`somatize store verify {store.path}` lists them)")
+            got[part][k] = kept.value.clone()
+    if average_digest(got["average"]) != rec.digest:
+        raise Refused(f"study {study!r} round {round}: the average read from {store.path} "
+                      f"is not the one its record names (digest {rec.digest}): the store "
+                      "was altered")
+    out = {f"{shared}.{k}": v for k, v in got["shared"].items()}
+    clash = sorted(k for k in got["average"] if k in out)
+    if clash:
+        raise Refused(f"the study averages {clash[:3]}, under the shared module's path "
+                      f"{shared!r}: give the path the owners place it at")
+    out.update(got["average"])
     return out

@@ -106,15 +106,17 @@ class DerivedRNG(pl.Callback):
         self.wrapped = []
 
 
-def derived_draws(workers: Mapping[str, Any] | None, place: Mapping[str, str]
-                  ) -> DerivedRNG | None:
-    """The draws of the placed modules whose worker says ``rng="derived"`` (None: every
-    placed module's calls carry this process's RNG state)."""
+def derived_draws(workers: Mapping[str, Any] | None, place: Mapping[str, str],
+                  rng: str = "sent", rng_key: str = "somatize") -> DerivedRNG | None:
+    """The draws of the placed modules whose worker says ``rng="derived"``, or, for a
+    worker not given as a ``Worker``, whose strategy does (``rng``, ``rng_key``); None:
+    every placed module's calls carry this process's RNG state."""
     keys = {}
     for path, host in place.items():
         spec = (workers or {}).get(host)
-        if getattr(spec, "rng", "sent") == "derived":
-            keys[path] = spec.rng_key
+        said, key = (spec.rng, spec.rng_key) if hasattr(spec, "rng") else (rng, rng_key)
+        if said == "derived":
+            keys[path] = key
     if not keys:
         return None
     draws = DerivedRNG(keys)

@@ -123,7 +123,8 @@ class PlacedRoute(Route):
                     strategy.precision_plugin, strategy.root_device, trains=trains,
                     schedulers=[c.scheduler for c in strategy.lr_scheduler_configs])
         route.fitting = trainer.training  # validate or test: the optimizers here keep theirs
-        route.draws = derived_draws(strategy.workers, strategy.place)  # Worker(rng="derived")
+        route.draws = derived_draws(strategy.workers, strategy.place,  # rng="derived"
+                                    strategy.rng, strategy.rng_key)
         if route.draws is not None:
             for path in route.draws.keys:
                 route.links[path].draws = functools.partial(route.draws.seed, path)
@@ -151,6 +152,10 @@ class PlacedRoute(Route):
                          "train there: no optimizer here holds a parameter of it that "
                          "requires grad",
                          path, type(m).__name__, n, self.place[path])
+        if self.draws is not None:
+            log.info("placed modules %s draw their randomness over there from a generator "
+                     "derived per call (rng='derived'): no RNG state of this process is "
+                     "sent", sorted(self.draws.keys))
 
     @override
     def part_of(self, name: str) -> str | None:

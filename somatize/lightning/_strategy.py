@@ -41,7 +41,14 @@ from ._placed_route import PlacedRoute
 from ._private import devices_asked, parallel_devices, set_launcher, set_root_device
 from ._route import Route
 from ._study_route import StudyRoute
-from ._workers import check_place, check_workers, refuse_unused_workers, warm_up, with_store
+from ._workers import (
+    check_place,
+    check_rng,
+    check_workers,
+    refuse_unused_workers,
+    warm_up,
+    with_store,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,16 +80,24 @@ class SomatizeStrategy(SingleDeviceStrategy):
         trace: a path: write a Chrome trace-event file of the run there (Perfetto,
             chrome://tracing): one lane per process, spans for each forward and backward,
             transfer (with its bytes), optimizer step and wait; written at teardown.
+        rng: what the placed modules' randomness over there draws from, on every worker
+            not given as a ``Worker`` (which says its own): ``"sent"`` (this process's
+            RNG state travels with each call) or ``"derived"`` (none crosses; a generator
+            derived per call from ``rng_key``), as ``Worker(rng=...)`` says. On the Hydra
+            line: ``somatize.rng=derived``.
+        rng_key: the key ``rng="derived"`` seeds derive from.
     """
 
     strategy_name = "somatize"
 
     def __init__(self, trains: Mapping[str, Any] | None = None, workers: Any = None,
                  store: Any = None, place: Mapping[str, str] | None = None,
-                 trace: str | os.PathLike | None = None, **kwargs: Any):
+                 trace: str | os.PathLike | None = None, rng: str = "sent",
+                 rng_key: str = "somatize", **kwargs: Any):
         super().__init__(device=torch.device("cpu"), **kwargs)  # Lightning's, at setup
         check_place(place)
         check_workers(workers)
+        self.rng, self.rng_key = check_rng(rng, rng_key)
         # a study's shared module (place={"trunk": study.shared}) runs on its hub
         self.shared = {k: v for k, v in (place or {}).items() if hasattr(v, "somatize_study")}
         self.place = {k: v for k, v in (place or {}).items() if k not in self.shared}

@@ -89,6 +89,22 @@ def check_workers(workers: Any) -> None:
             Worker.at(w)  # refuses an address that is not 'host:port', saying so
 
 
+def check_rng(rng: Any, rng_key: Any) -> tuple[str, str]:
+    """``rng=`` and ``rng_key=`` of the strategy, or refused in one line naming the
+    choices."""
+    from ..remote._worker import RNG
+
+    if rng not in RNG:
+        raise Refused(f"SomatizeStrategy(rng={rng!r}): say one of {', '.join(map(repr, RNG))}: "
+                      "'sent' (this process's RNG state travels with each call) or 'derived' "
+                      "(none crosses; each call draws from a generator derived from rng_key); "
+                      "on the Hydra line somatize.rng=derived")
+    if not isinstance(rng_key, str) or not rng_key:
+        raise Refused(f"SomatizeStrategy(rng_key={rng_key!r}): give the key derived seeds "
+                      "come from as a non-empty string (a run's seed, not a secret)")
+    return rng, rng_key
+
+
 def refuse_unused_workers(workers: Mapping[str, Any] | None, place: Mapping[str, str],
                            graph_modules: list) -> None:
     """Refuse a ``workers=`` name that no placement uses (a typo would otherwise start an

@@ -40,6 +40,7 @@ from ._files import (
 )
 from ._lock import Lock
 from ._recent import checked, recent
+from ._rounds import doomed_names
 
 log = logging.getLogger("somatize.store")
 
@@ -284,23 +285,44 @@ class Store:
     def put(self, name: str, value: Any, meta: Mapping[str, str] | None = None) -> bool:
         """Keep ``value`` under ``name``; False when it cannot be kept (said on stderr)."""
         check_name(name)
-        meta = check_meta(name, meta)
+        check_meta(name, meta)  # refused before anything is packed
+        packed = self._pack(name, value)
+        return packed is not None and self._keep(name, meta, *packed)
+
+    def put_addressed(self, kind: str, value: Any, meta: Mapping[str, str] | None = None
+                      ) -> str | None:
+        """Keep ``value`` under its content's address, ``artifact/<kind>/<its blob's
+        BLAKE3>`` (the name checks what it points at); that name, or None when it cannot
+        be kept (said on stderr)."""
+        check_name(f"artifact/{kind}/x")
+        check_meta(f"artifact/{kind}", meta)
+        packed = self._pack(f"artifact/{kind}/...", value)
+        if packed is None:
+            return None
+        name = f"artifact/{kind}/{packed[2]}"
+        return name if self._keep(name, meta, *packed) else None
+
+    def _pack(self, name: str, value: Any) -> tuple[bytes, list, str, int] | None:
         try:
             header, buffers = pack(value)
         except Unpackable as e:
             say_once(("store no codec", e.kind),
                      f"{name}: a {e.kind} has no codec, so this value is not kept (import "
                      "somatize.torch for tensors, or register one with somatize.codec)")
-            return False
+            return None
         except (TypeError, ValueError) as e:
             say_once(("store cannot pack", type(value).__qualname__, str(e)),
                      f"{name}: this {type(value).__qualname__} cannot be kept ({e})")
-            return False
+            return None
         size = len(header) + sum(b.nbytes for b in buffers)
         h = hasher(size, header)
         for b in buffers:
             h.update(b)
-        blob = h.hexdigest()
+        return header, buffers, h.hexdigest(), size
+
+    def _keep(self, name: str, meta: Mapping[str, str] | None, header: bytes,
+              buffers: list, blob: str, size: int) -> bool:
+        meta = check_meta(name, meta)
         record = json.dumps({"blob": blob, "size": size, "meta": meta,
                              "time": time.time()}, sort_keys=True).encode()
         try:
@@ -334,7 +356,9 @@ class Store:
 
     # -- looking after it ---------------------------------------------------------
     def gc(self, dry_run: bool = False) -> tuple[int, int]:
-        """Remove blobs no name points at, and leftovers of killed writers.
+        """Remove blobs no name points at, and leftovers of killed writers; first, the
+        names of a study's rounds that are no longer live (``_rounds``: a study keeps its
+        latest ``--keep-rounds`` rounds).
 
         Safe while others read (a removed blob is only unlinked, never truncated) and
         write (writers hold the lock shared from writing a blob to naming it; gc takes
@@ -346,7 +370,19 @@ class Store:
             return 0, 0
         # a dry run removes nothing, so it neither needs the lock nor a writable store
         with nullcontext() if dry_run else Lock(self, self.lock_timeout, exclusive=True):
-            used = {e.blob for e in self.entries()}
+            # the rounds of studies no longer live (``_rounds``): their names go first
+            names = doomed_names(self)
+            for name in names:
+                try:
+                    size = os.stat(self._name_file(name), follow_symlinks=False).st_size
+                except FileNotFoundError:
+                    continue
+                if not dry_run:
+                    remove_below(self._root, "names/" + name)
+                removed += 1
+                freed += size
+            gone = set(names)
+            used = {e.blob for e in self.entries() if e.name not in gone}
             doomed = [(_blob_rel(b), s) for b, s in self.blobs() if b not in used]
             doomed += [("tmp/" + rel, st.st_size) for rel, st in files_below(self._root, "tmp")]
             for rel, s in doomed:  # never through a link: files_below enters none
