@@ -263,6 +263,13 @@ class Link:
         freed, self.freed = self.freed, []
         return tuple(freed)
 
+    def outgoing(self) -> list:
+        """What is queued for the next message, taken, with the calls freed since."""
+        if self.freed:
+            self.ops.append(Free(self._freed()))
+        ops, self.ops = self.ops, []
+        return ops
+
     def _backward(self, ctx: Any, grads: tuple) -> list:
         number, needs = ctx.number, ctx.needs
         # .backward() accumulates into the weights over there; autograd.grad(out, inputs)
@@ -277,9 +284,7 @@ class Link:
             if (parent is not None and engine_will_run(parent)
                     and engine_will_run(parent.acc) == accumulate):
                 return defer(self, ctx, crossing, joined)
-        if self.freed:
-            self.ops.append(Free(self._freed()))
-        ops, self.ops = self.ops, []
+        ops = self.outgoing()
         if create:
             then = next(self.calls)
             asks = [g is not None and g.requires_grad for g in grads]
@@ -334,9 +339,7 @@ class Link:
     def call(self, fn: Any, *args: Any) -> Any:
         """Run ``fn(live, name, *args, ops)`` over there now: what is queued goes with it,
         to be done first."""
-        if self.freed:
-            self.ops.append(Free(self._freed()))
-        ops, self.ops = self.ops, []
+        ops = self.outgoing()
         return self._rpc(fn, self.name, *args, ops)
 
     # -- the weights here -------------------------------------------------------------------

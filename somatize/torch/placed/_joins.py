@@ -19,7 +19,6 @@ from __future__ import annotations
 from typing import Any
 
 from .._private import graph_task
-from ._module_ops import Free
 from ._there import _backward
 
 
@@ -34,11 +33,8 @@ def defer(link: Any, ctx: Any, crossing: list, joined: tuple) -> list:
     own = sum(needs[:len(needs) - len(parent.inputs)])
     back = [None] * sum(needs)
     if own:
-        if link.freed:
-            link.ops.append(Free(link._freed()))
-        ops, link.ops = link.ops, []
-        got = link._rpc(_backward, link.name, ctx.number, crossing, ops, False, None, None,
-                        joined)
+        got = link._rpc(_backward, link.name, ctx.number, crossing, link.outgoing(), False,
+                        None, None, joined)
         got = [g for g, need in zip(got, needs, strict=True) if need]
         back[:own] = [None if g is None else g.to(link.here) for g in got[:own]]
     return back
