@@ -40,16 +40,23 @@ STUDIES = {
     "dropv2": {"owners": ["a", "b", "c2"], "schedule": "v2", "order": "arrival",
                "quorum": 2, "turn_timeout": 3.0, "round_timeout": 300.0},
     "res": {"owners": ["a", "b"], "schedule": "v1", "rounds": 4},
+    "slowv1": {"owners": ["a", "b", "c"], "schedule": "v1", "quorum": 2, "rounds": 3,
+               "round_timeout": 4.0},
+    "slowv2": {"owners": ["a", "b", "c"], "schedule": "v2", "order": "arrival",
+               "quorum": 2, "turn_timeout": 2.0},
     "steps": {"owners": ["a", "b", "c"], "schedule": "v1", "round_steps": 2, "rounds": 2},
 }
 RUNS = {  # each owner's process: its studies in order, and what happens to it; "res"
-    # stops after round 2 of 4 and resumes once the hub is back (RESUME holds its address)
-    "a": ["v1", "steps", "arr", "rr", "rr2", "dropv1", "dropv2", "res", "--delays", "arr",
-          "--epochs", "res:2", "--then", "res:{resume}"],
-    "b": ["one1", "v1", "steps", "arr", "rr", "rr2", "dropv1", "dropv2", "res", "--delays", "arr",
-          "--epochs", "res:2", "--then", "res:{resume}"],
-    "c": ["one2", "v1", "steps", "arr", "rr", "rr2", "dropv1", "--delays", "arr",
-          "--kill", "dropv1:1:0"],
+    # stops after round 2 of 4 and resumes once the hub is back (RESUME holds its address);
+    # c is slow but alive in round 1 of slowv1 (late at the barrier) and slowv2 (a late
+    # Backward), then lost mid-step in dropv1
+    "a": ["v1", "steps", "arr", "rr", "rr2", "slowv1", "slowv2", "dropv1", "dropv2", "res",
+          "--delays", "arr", "--epochs", "res:2", "--then", "res:{resume}"],
+    "b": ["one1", "v1", "steps", "arr", "rr", "rr2", "slowv1", "slowv2", "dropv1", "dropv2",
+          "res", "--delays", "arr", "--epochs", "res:2", "--then", "res:{resume}"],
+    "c": ["one2", "v1", "steps", "arr", "rr", "rr2", "slowv1", "slowv2", "dropv1", "--delays",
+          "arr", "--kill", "dropv1:1:0", "--slow", "slowv1:1:0:barrier", "--slow",
+          "slowv2:1:0:backward"],
     "c2": ["dropv2", "--kill", "dropv2:1:0"],
 }
 
@@ -243,7 +250,7 @@ def test_v1_an_owner_lost_mid_round_is_left_out_at_quorum(study):
     trunk, ledger = load_round(d / "ck", "dropv1")
     lost = [e for e in ledger if e.get("owner") == "c" and e["kind"] != "step"]
     assert lost == [{"round": 1, "owner": "c", "step": 0, "kind": "discarded",
-                     "why": "turn_timeout"}]
+                     "why": "turn_timeout"}, {"round": 1, "owner": "c", "kind": "excluded"}]
     assert [e["owners"] for e in ledger if e["kind"] == "average"] == [["a", "b", "c"],
                                                                         ["a", "b"]]
     cfg = _cfg(d, "dropv1")
@@ -258,7 +265,7 @@ def test_v2_an_owner_lost_mid_turn_has_its_step_discarded_and_replay_still_equal
     trunk, ledger = load_round(d / "ck", "dropv2")
     lost = [e for e in ledger if e.get("owner") == "c2" and e["kind"] != "step"]
     assert lost == [{"round": 1, "owner": "c2", "step": 0, "kind": "discarded",
-                     "why": "turn_timeout"}]
+                     "why": "turn_timeout"}, {"round": 1, "owner": "c2", "kind": "excluded"}]
     assert [e["owners"] for e in ledger if e["kind"] == "average"] == [["a", "b", "c2"],
                                                                         ["a", "b"]]
     cfg = _cfg(d, "dropv2")
@@ -266,6 +273,56 @@ def test_v2_an_owner_lost_mid_turn_has_its_step_discarded_and_replay_still_equal
     _same(trunk, ref.trunk)
     for o in "ab":
         _same(_run(d, "dropv2", o)["state"], ref.own_state(o, "trunk"))
+
+
+def test_v1_an_owner_late_at_the_barrier_is_told_it_was_left_out_and_the_study_goes_on(study):
+    # c, alive, reaches round 1's barrier after round_timeout: a and b were averaged
+    # without it at quorum, and round 2 went on without it; its late RoundEnd is refused
+    # (Excluded: the round it was left out of, the round it may attach at again) and its
+    # fit stops there; nothing it sent after was applied (the replay of the ledger)
+    d = study["dir"]
+    trunk, ledger = load_round(d / "ck", "slowv1")
+    assert [e for e in ledger if e.get("owner") == "c" and e["kind"] != "step"] == [
+        {"round": 1, "owner": "c", "kind": "excluded"}]
+    assert [e["owners"] for e in ledger if e["kind"] == "average"] == [
+        ["a", "b", "c"], ["a", "b"], ["a", "b"]]
+    cfg = _cfg(d, "slowv1")
+    ref = replay(ledger, _owners(cfg), cfg, seeds=_seeds(cfg))
+    _same(trunk, ref.trunk)
+    for o in "ab":
+        _same(_run(d, "slowv1", o)["state"], ref.own_state(o, "trunk"))
+    late = _run(d, "slowv1", "c")
+    assert (late["error"], late["round"], late["rejoin"]) == ("Excluded", 1, 2)
+    assert ("owner 'c' was left out of round 1 of study 'slowv1' (not at the barrier within "
+            "round_timeout (4.0s)") in late["message"]
+    assert "attach at round 2 or later" in late["message"]
+    assert len(late["losses"]) == 2  # its two steps; round 1's ran on the hub, unaveraged
+
+
+def test_v2_a_backward_past_turn_timeout_is_refused_and_nothing_of_it_applied(study):
+    # c's Forward of round 1 ran; its Backward came after turn_timeout: the step was
+    # discarded (no optimizer step ran) and ledgered, c left out; the late Backward is
+    # refused (Excluded), the hub went on, and the replay of the ledger equals the hub
+    d = study["dir"]
+    trunk, ledger = load_round(d / "ck", "slowv2")
+    assert [e for e in ledger if e.get("owner") == "c" and e["kind"] != "step"] == [
+        {"round": 1, "owner": "c", "step": 0, "kind": "discarded", "why": "turn_timeout"},
+        {"round": 1, "owner": "c", "kind": "excluded"}]
+    assert [e["owners"] for e in ledger if e["kind"] == "average"] == [["a", "b", "c"],
+                                                                        ["a", "b"]]
+    cfg = _cfg(d, "slowv2")
+    ref = replay(ledger, _owners(cfg), cfg, seeds=_seeds(cfg))
+    _same(trunk, ref.trunk)
+    for o in "ab":
+        _same(_run(d, "slowv2", o)["state"], ref.own_state(o, "trunk"))
+        assert _run(d, "slowv2", o)["losses"] == ref.losses[o]
+    late = _run(d, "slowv2", "c")
+    assert (late["error"], late["round"], late["rejoin"]) == ("Excluded", 1, 2)
+    assert "its step 0 had no Backward within turn_timeout (2.0s)" in late["message"]
+    entries = [json.loads(line) for line in (d / "audit.jsonl").read_text().splitlines()]
+    (refused,) = [e for e in entries if e.get("owner") == "c" and e.get("kind") == "Backward"
+                  and e["fields"].get("study") == "slowv2" and e.get("refused")]
+    assert "left out of round 1" in refused["refused"]
 
 
 def test_the_wire_carries_cut_tensors_and_typed_control_only(study):
@@ -292,7 +349,7 @@ def test_the_wire_carries_cut_tensors_and_typed_control_only(study):
             assert not shapes, e  # Attach, Detach: control only
         for _, (dt, shape) in shapes.items():  # no input [n, 4], no label, no RNG state
             assert dt == "torch.float32" and shape[-1:] != [4] or shape in parts.values()
-    assert per_kind["Forward"] == per_kind["Backward"] + 2  # the two discarded steps
+    assert per_kind["Forward"] == per_kind["Backward"] + 3  # the three discarded steps
     # bytes per step: the activation and the gradient, and the frames' headers
     steps = [e for e in entries if e.get("fields", {}).get("study") == "v1"
              and e["kind"] in ("Forward", "Backward")]
