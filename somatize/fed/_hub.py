@@ -54,6 +54,7 @@ class StudyHub(Turns):
         self.ledger: list[dict] = []
         self.averaged: dict[str, torch.Tensor] = {}  # the last round's average of the parts
         self.attached: set[str] = set()
+        self.checked: set[str] = set()  # whose study definition is the hub's (may evaluate)
         self.gone: dict[str, tuple[int, str]] = {}  # left out: the round, and why
         self._new_round()
         if resume:
@@ -99,7 +100,8 @@ class StudyHub(Turns):
                                       f"{owner!r}'s certificate")
         if kind == "Attach":
             return self._attach(owner, fields)
-        if owner not in self.attached:
+        evaluating = kind == "Forward" and not fields.get("train", True)
+        if owner not in (self.checked if evaluating else self.attached):
             raise Refusal("attach", f"owner {owner!r} sent {kind} before Attach")
         with self.cond:
             if owner in self.gone:
@@ -127,6 +129,9 @@ class StudyHub(Turns):
                                     f"{name} {got!r}; the hub's is {want!r}: use the study's "
                                     "own definition")
         with self.cond:
+            self.checked.add(owner)
+            if fields.get("evaluate"):  # only to evaluate (validation, test): joins no round
+                return "Attached", {"round": self.round, "digest": cfg.digest()}, {}
             if fields.get("round") != self.round:
                 raise Refusal("round", f"owner {owner!r} attaches at round "
                                        f"{fields.get('round')!r}; study {cfg.name!r} is at "

@@ -89,7 +89,8 @@ class StudyRoute(Route):
         self.link = study.link()
         self.round = self.step = 0
         self.average_digest: str | None = None
-        self.attached = False
+        self.attached = self.checked = False
+        self.precision = str(trainer.precision)
         self.pending: int | None = None
         self.callback = _Rounds(self)
         self.closed = False
@@ -130,6 +131,11 @@ class StudyRoute(Route):
             raise Refused(f"module {self.path!r} is shared through study {self.cfg.name!r}, "
                           "whose link carries one floating tensor in and one out")
         if not (torch.is_grad_enabled() and self.model.training):
+            if not self.checked:  # validation before training starts, or a test after
+                self.link.call("Attach", self._fields(
+                    digest=self.cfg.digest(), precision=self.precision,
+                    schedule=self.cfg.schedule, round=self.round, evaluate=True))
+                self.checked = True
             _, _, t = self.link.call("Forward", self._fields(train=False), {"x": x})
             return t["y"]
         if not x.requires_grad:  # the cut's backward must run for the hub's step to end
@@ -163,6 +169,7 @@ class StudyRoute(Route):
             digest=self.cfg.digest(), precision=precision, schedule=self.cfg.schedule,
             round=round))
         self.round, self.step, self.attached = round, step, True
+        self.checked = True
 
     def round_end(self) -> None:
         parts = {}
