@@ -338,7 +338,7 @@ def test_the_wire_carries_cut_tensors_and_typed_control_only(study):
         per_kind[e["kind"]] += 1
         shapes = {n: (dt, s) for n, dt, s in e["tensors"]}
         assert set(e["fields"]) <= {"study", "owner", "round", "step", "train", "digest",
-                                    "precision", "schedule"}, e
+                                    "precision", "schedule", "evaluate"}, e
         if e["kind"] in ("Forward", "Backward"):
             ((name, (dt, shape)),) = shapes.items()
             assert name == ("x" if e["kind"] == "Forward" else "g")
