@@ -61,6 +61,7 @@ class Record(pl.Callback):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hub")
+    ap.add_argument("--averager", help="the address of the averager of studies naming one")
     ap.add_argument("--pki")
     ap.add_argument("--owner")
     ap.add_argument("--name")
@@ -94,7 +95,8 @@ def fit(a, s, hub, name, kills, epochs, resume):
     """One study's fit, its results written to OUT/<study>-<name>.pt."""
     cfg = StudyConfig.load(Path(a.configs) / f"{s}.toml")
     study = Study(cfg, hub=hub, owner=a.owner, identity=Path(a.pki) / f"{a.owner}.pem",
-                  ca=Path(a.pki) / "ca.pem", timeout=20)
+                  ca=Path(a.pki) / "ca.pem", timeout=20,
+                  averager=a.averager if cfg.averager else None)
     torch.manual_seed(owner_seed(a.owner))
     model = make_net(cfg)
     rec = Record(s, kills.get(s), s in a.delays, a.slow.get(s),

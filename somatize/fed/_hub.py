@@ -66,7 +66,7 @@ class StudyHub(Turns):
         self.rows = {o: 0 for o in self.cfg.owners}
         self.pending: dict[str, tuple[int, torch.Tensor, torch.Tensor, float]] = {}
         self.arrived: dict[str, dict[str, torch.Tensor]] = {}
-        self.answer: dict[int, tuple[str, dict[str, torch.Tensor]]] = {}
+        self.answer: dict[int, tuple[str, dict[str, torch.Tensor], list[str]]] = {}
         self.first_arrival: float | None = None
         self.turn: tuple[str, float] | None = None
         self.last_turn: str | None = None
@@ -230,6 +230,9 @@ class StudyHub(Turns):
 
     # -- the round barrier -------------------------------------------------------------
     def _round_end(self, owner: str, fields: dict, tensors: dict) -> tuple[str, dict, dict]:
+        if self.cfg.averager and tensors:
+            raise Refusal("parts", f"study {self.cfg.name!r} averages its parts at averager "
+                                   f"{self.cfg.averager!r}: the hub takes none")
         with self.cond:
             self._check_round(owner, fields)
             if owner in self.pending:
@@ -252,11 +255,12 @@ class StudyHub(Turns):
             if r not in self.answer:
                 raise Refusal("quorum", f"round {r} of study {self.cfg.name!r} did not reach "
                                         f"its quorum ({self.cfg.quorum})")
-            digest, avg = self.answer[r]
+            digest, avg, taking = self.answer[r]
             if avg is None:
                 raise Refusal("quorum", f"round {r} of study {self.cfg.name!r} did not reach "
                                         f"its quorum ({self.cfg.quorum})")
-            return "Average", {"round": r, "digest": digest}, avg
+            said = {"owners": taking} if self.cfg.averager else {}  # what the averager waits for
+            return "Average", {"round": r, "digest": digest, **said}, avg
 
     def _close_round(self, late: list[str]) -> None:
         r = self.round
@@ -270,7 +274,7 @@ class StudyHub(Turns):
                              "round was averaged without it")
         taking = sorted(o for o in self.arrived if self.rows[o] > 0)
         if len(taking) < self.cfg.quorum:
-            self.answer[r] = ("", None)  # type: ignore[assignment]
+            self.answer[r] = ("", None, [])  # type: ignore[assignment]
             return
         weights = {o: self.rows[o] for o in taking}
         avg = average({o: self.arrived[o] for o in taking}, weights) if self.arrived[
@@ -284,7 +288,7 @@ class StudyHub(Turns):
         self.averaged = avg  # kept in the store with the barrier (what export reads)
         self.ledger.append({"round": r, "kind": "average", "owners": taking,
                             "rows": weights, "digest": digest})
-        self.answer[r] = (digest, avg)
+        self.answer[r] = (digest, avg, taking)
         self.round = r + 1
         answer = self.answer
         self._new_round()

@@ -129,7 +129,7 @@ class HubLink:
     answer; a refusal raises ``HubRefused``, a lost hub ``WorkerError`` naming it."""
 
     def __init__(self, address: str, identity: str | Path, ca: str | Path,
-                 hub_name: str = "hub", timeout: float = 30.0):
+                 hub_name: str = "hub", timeout: float = 30.0, role: str = "study hub"):
         import grpc
 
         key, cert = load_identity(identity)
@@ -137,6 +137,7 @@ class HubLink:
                                              .read_bytes(), private_key=key,
                                              certificate_chain=cert)
         self.address, self.hub_name, self.timeout = address, hub_name, timeout
+        self.role = role
         self.channel = grpc.secure_channel(
             address, creds, options=[*_OPTIONS, ("grpc.ssl_target_name_override", hub_name)])
         self.stub = self.channel.unary_unary(METHOD)
@@ -152,17 +153,17 @@ class HubLink:
             answer = self.stub(data, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
             raise WorkerError(
-                f"study hub {self.hub_name!r} at {self.address} lost or unreachable during "
+                f"{self.role} {self.hub_name!r} at {self.address} lost or unreachable during "
                 f"{kind} ({e.code().name}: {e.details()}). Resume from the last round's "
                 "checkpoint when the hub is back") from None
         self.received += len(answer)
         kind, fields, tensors = decode(answer, frozenset({"Attached", "Output", "Grad",
                                                           "Average", "Refused", "Done"}))
         if kind == "Refused" and fields.get("code") == "excluded":
-            raise Excluded(f"study hub {self.hub_name!r} refused: {fields.get('message')}",
+            raise Excluded(f"{self.role} {self.hub_name!r} refused: {fields.get('message')}",
                            int(fields.get("round", -1)), int(fields.get("rejoin", -1)))
         if kind == "Refused":
-            raise HubRefused(fields.get("code", "?"), f"study hub {self.hub_name!r} refused: "
+            raise HubRefused(fields.get("code", "?"), f"{self.role} {self.hub_name!r} refused: "
                                                       f"{fields.get('message')}")
         return kind, fields, tensors
 

@@ -87,6 +87,8 @@ class StudyRoute(Route):
                               "shared module: it is the hub's and never comes here")
             model.get_submodule(part)  # AttributeError names a part that is not there
         self.link = study.link()
+        self.averager = study.averager_link()  # None: the hub averages the parts
+        self.rows = 0  # this round's, as the hub counts them (what the averager weighs)
         self.round = self.step = 0
         self.average_digest: str | None = None
         self.attached = self.checked = False
@@ -154,6 +156,7 @@ class StudyRoute(Route):
                                                          train=True), {"x": x},
                                  timeout=self.study.timeout + self.cfg.round_timeout)
         self.pending = self.step
+        self.pending_rows = int(x.shape[0]) if x.dim() else 1
         return t["y"]
 
     def backward(self, g: torch.Tensor) -> torch.Tensor:
@@ -161,6 +164,7 @@ class StudyRoute(Route):
                                  {"g": g.contiguous()})
         self.pending = None
         self.step += 1
+        self.rows += self.pending_rows
         return t["gx"]
 
     # -- rounds -------------------------------------------------------------------------
@@ -176,15 +180,19 @@ class StudyRoute(Route):
         for part in self.cfg.parts:
             parts.update({f"{part}.{k}": v for k, v in
                           self.model.get_submodule(part).state_dict().items()})
-        _, fields, avg = self.link.call(
-            "RoundEnd", self._fields(round=self.round), parts,
-            timeout=self.study.timeout + self.cfg.round_timeout)
+        wait = self.study.timeout + self.cfg.round_timeout
+        _, fields, avg = self.link.call("RoundEnd", self._fields(round=self.round),
+                                        {} if self.averager else parts, timeout=wait)
+        if self.averager is not None:  # the parts go to the study's averager, never the hub
+            _, fields, avg = self.averager.call("RoundEnd", self._fields(
+                round=self.round, rows=self.rows, owners=fields["owners"],
+                digest=self.cfg.digest()), parts, timeout=wait)
         for part in self.cfg.parts:
             pre = part + "."
             self.model.get_submodule(part).load_state_dict(
                 {k[len(pre):]: v for k, v in avg.items() if k.startswith(pre)})
         self.average_digest = fields.get("digest")
-        self.round, self.step = self.round + 1, 0
+        self.round, self.step, self.rows = self.round + 1, 0, 0
 
     # -- what the strategy asks ----------------------------------------------------------
     @override
@@ -213,3 +221,5 @@ class StudyRoute(Route):
         self.closed = True
         self.module.__dict__.pop("forward", None)
         self.link.close()
+        if self.averager is not None:
+            self.averager.close()
