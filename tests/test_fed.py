@@ -190,3 +190,43 @@ def test_the_hydra_option_makes_this_process_an_owner_of_the_study(tmp_path):
     (shared,) = strategy.shared.values()
     assert isinstance(shared, Shared) and shared.study.owner == "b"
     assert shared.study.config.owners == ("a", "b")
+
+
+def test_an_averager_takes_parts_only_and_answers_the_one_average_once_all_are_there():
+    import threading
+
+    from somatize.fed._averager import StudyAverager
+    from somatize.fed._frames import Refusal
+
+    cfg = StudyConfig.load({**STUDY, "averager": "avg", "round_timeout": 0.3})
+    assert cfg.digest() != StudyConfig.load(STUDY).digest()
+    for bad in ({"averager": "a"}, {"averager": "avg", "parts": []}):
+        with pytest.raises(Refused, match="averager"):
+            StudyConfig.load({**STUDY, **bad})
+    av = StudyAverager(cfg)
+    g = torch.Generator().manual_seed(0)
+    parts = {o: {"head.weight": torch.randn(3, 2, generator=g)} for o in "ab"}
+
+    def fields(o, **kw):
+        return {"study": "unit", "owner": o, "round": 0, "rows": {"a": 3, "b": 1}.get(o, 1),
+                "owners": ["a", "b"], "digest": cfg.digest(), **kw}
+
+    with pytest.raises(Refusal, match="takes RoundEnd only"):
+        av.handle("a", "Forward", fields("a"), {})
+    with pytest.raises(Refusal, match="with digest '0'"):
+        av.handle("a", "RoundEnd", fields("a", digest="0"), parts["a"])
+    with pytest.raises(Refusal, match="'x' is not an owner"):
+        av.handle("x", "RoundEnd", fields("x"), parts["a"])
+    got = {}
+    t = threading.Thread(target=lambda: got.update(a=av.handle("a", "RoundEnd", fields("a"),
+                                                               parts["a"])))
+    t.start()
+    got["b"] = av.handle("b", "RoundEnd", fields("b"), parts["b"])
+    t.join()
+    want = average(parts, {"a": 3, "b": 1})
+    for o in "ab":
+        kind, said, avg = got[o]
+        assert kind == "Average" and torch.equal(avg["head.weight"], want["head.weight"])
+    # an owner the hub averaged that never brings its parts: refused at round_timeout
+    with pytest.raises(Refusal, match=r"owners \['b'\] did not bring their parts"):
+        av.handle("a", "RoundEnd", fields("a", round=1), parts["a"])
