@@ -11,7 +11,8 @@ The core (graph, plan, stages, keys) imports no torch; ``somatize.torch`` does.
 
 import sys
 
-from . import _holes, _log
+# _compiled first: where no bytecode is written, the others' code objects are kept
+from . import _compiled, _holes, _log  # noqa: F401 (_compiled installs itself)
 from ._errors import (
     ContractError,
     GraphError,

@@ -27,6 +27,7 @@ from .._memory import cacheable
 from ..torch import GraphModule, freeze
 from ..torch.cache._cached import CachedForward, counts_there
 from ._cache_counts import Counting, StageCounts, shuffles
+from ._quiet import Quiet
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +37,7 @@ def graph_modules(module: Any) -> list[GraphModule]:
     return [m for m in module.modules() if isinstance(m, GraphModule)]
 
 
-class SomatizeCache(pl.Callback):
+class SomatizeCache(Quiet):
     """Keep frozen modules' outputs in a store; settle frozen nodes of graphs.
 
     ``modules=["body"]`` names submodules of the LightningModule (paths as

@@ -20,9 +20,10 @@ from typing_extensions import override
 
 from .._errors import Refused
 from ..torch._seeds import derived_seed, seeded
+from ._quiet import Quiet
 
 
-class DerivedRNG(pl.Callback):
+class DerivedRNG(Quiet):
     """Each call of the modules at ``paths`` draws from a generator derived from ``key``
     and where the call stands (stage, global step, batch, dataloader, its number in the
     batch), the caller's RNG state put back after it: in one piece (the default

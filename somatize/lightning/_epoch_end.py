@@ -9,8 +9,10 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from ._quiet import Quiet
 
-class _EpochEnd(pl.Callback):
+
+class _EpochEnd(Quiet):
     """As an epoch ends, before the user's callbacks: the placed modules' weights here
     brought up to date, and the epoch's traffic logged: ``somatize/wait_ms`` (this
     process waiting on workers), ``somatize/bytes_sent``, ``somatize/bytes_received``."""

@@ -21,6 +21,7 @@ from typing_extensions import override
 from .._errors import Refused
 from ..torch._session import Session
 from ._placing import placed_modules
+from ._quiet import Quiet
 from ._route import Route
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class _Cut(torch.autograd.Function):
         return None, ctx.route.backward(g)
 
 
-class _Rounds(pl.Callback):
+class _Rounds(Quiet):
     """Attach when training starts (after a checkpoint is restored); end a round as
     each epoch ends, or after each ``round_steps`` owner-steps (the steps left at the
     fit's end a round of their own), before the other callbacks (a checkpoint holds
