@@ -19,8 +19,9 @@ USAGE = """usage: somatize {show,store,worker,hub,fed} ... | --version
   worker --name NAME --listen HOST:PORT [--store PATH] [--keepalive S]
                         serve as a standing worker
   hub --study FILE --listen HOST:PORT --identity PEM --ca PEM [--checkpoints DIR]
-      [--store PATH [--keep-rounds N]]
-                        serve studies' shared modules to their data owners
+      [--store PATH [--keep-rounds N]] [--average-only]
+                        serve studies' shared modules to their data owners (or, with
+                        --average-only, average the parts of the studies naming it)
   fed {ca DIR, cert DIR NAME..., export STORE STUDY --shared PATH --out FILE}
                         a study's certificate authority and its parties' certificates;
                         a round exported from the store as a plain state_dict

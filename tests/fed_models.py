@@ -63,3 +63,12 @@ def make_net(study_cfg) -> Net:
               width=int(study_cfg.kwargs.get("width", 128)))
     net.trunk.load_state_dict(study_cfg.build_module().state_dict())
     return net
+
+
+class DigitsBody(nn.Sequential):
+    """examples/digits.py's body (``Sequential(Linear(64, hidden), ReLU())``) as a hub's
+    own class: the shared module of a study train.py's ``+somatize=splitfed`` joins. Built
+    after ``torch.manual_seed(0)`` it is the body ``python train.py`` (seed 0) starts with."""
+
+    def __init__(self, hidden: int = 32):
+        super().__init__(nn.Linear(64, hidden), nn.ReLU())

@@ -190,3 +190,77 @@ def test_the_hydra_option_makes_this_process_an_owner_of_the_study(tmp_path):
     (shared,) = strategy.shared.values()
     assert isinstance(shared, Shared) and shared.study.owner == "b"
     assert shared.study.config.owners == ("a", "b")
+
+
+def test_an_averager_takes_parts_only_and_answers_the_one_average_once_all_are_there():
+    import threading
+
+    from somatize.fed._averager import StudyAverager
+    from somatize.fed._frames import Refusal
+
+    cfg = StudyConfig.load({**STUDY, "averager": "avg", "round_timeout": 0.3})
+    assert cfg.digest() != StudyConfig.load(STUDY).digest()
+    for bad in ({"averager": "a"}, {"averager": "avg", "parts": []}):
+        with pytest.raises(Refused, match="averager"):
+            StudyConfig.load({**STUDY, **bad})
+    av = StudyAverager(cfg)
+    g = torch.Generator().manual_seed(0)
+    parts = {o: {"head.weight": torch.randn(3, 2, generator=g)} for o in "ab"}
+
+    def fields(o, **kw):
+        return {"study": "unit", "owner": o, "round": 0, "rows": {"a": 3, "b": 1}.get(o, 1),
+                "owners": ["a", "b"], "digest": cfg.digest(), **kw}
+
+    with pytest.raises(Refusal, match="takes RoundEnd only"):
+        av.handle("a", "Forward", fields("a"), {})
+    with pytest.raises(Refusal, match="with digest '0'"):
+        av.handle("a", "RoundEnd", fields("a", digest="0"), parts["a"])
+    with pytest.raises(Refusal, match="'x' is not an owner"):
+        av.handle("x", "RoundEnd", fields("x"), parts["a"])
+    got = {}
+    t = threading.Thread(target=lambda: got.update(a=av.handle("a", "RoundEnd", fields("a"),
+                                                               parts["a"])))
+    t.start()
+    got["b"] = av.handle("b", "RoundEnd", fields("b"), parts["b"])
+    t.join()
+    want = average(parts, {"a": 3, "b": 1})
+    for o in "ab":
+        kind, said, avg = got[o]
+        assert kind == "Average" and torch.equal(avg["head.weight"], want["head.weight"])
+    # an owner the hub averaged that never brings its parts: refused at round_timeout
+    with pytest.raises(Refusal, match=r"owners \['b'\] did not bring their parts"):
+        av.handle("a", "RoundEnd", fields("a", round=1), parts["a"])
+
+
+def test_a_late_backward_is_refused_by_itself_and_the_owner_may_not_attach_that_round():
+    # the hub in one process: b's Backward comes after turn_timeout with nobody else there
+    # to notice; it is refused by name (Excluded's fields), its step discarded and
+    # ledgered, nothing applied; b may not attach again in the round it was left out of
+    import time
+
+    from somatize.fed._frames import Refusal
+    from somatize.fed._hub import StudyHub
+
+    cfg = StudyConfig.load({**STUDY, "owners": ["a", "b"], "schedule": "v2",
+                            "order": "arrival", "turn_timeout": 0.2})
+    hub = StudyHub(cfg)
+    before = {k: v.clone() for k, v in hub.trunk.state_dict().items()}
+    attach = {"study": "unit", "digest": cfg.digest(), "precision": "32-true",
+              "schedule": "v2", "round": 0}
+    for o in "ab":
+        assert hub.handle(o, "Attach", {**attach, "owner": o}, {})[0] == "Attached"
+    x = torch.randn(2, 128)
+    hub.handle("b", "Forward", {"owner": "b", "round": 0, "step": 0}, {"x": x})
+    time.sleep(0.3)
+    with pytest.raises(Refusal) as e:
+        hub.handle("b", "Backward", {"owner": "b", "step": 0}, {"g": torch.ones(2, 128)})
+    assert (e.value.code, e.value.fields) == ("excluded", {"round": 0, "rejoin": 1})
+    assert "its step 0 had no Backward within turn_timeout (0.2s)" in str(e.value)
+    assert hub.ledger == [{"round": 0, "owner": "b", "step": 0, "kind": "discarded",
+                           "why": "turn_timeout"}, {"round": 0, "owner": "b", "kind": "excluded"}]
+    assert all(torch.equal(before[k], v) for k, v in hub.trunk.state_dict().items())
+    with pytest.raises(Refusal, match="attach at round 1 or later"):
+        hub.handle("b", "Attach", {**attach, "owner": "b"}, {})
+    hub.handle("a", "Forward", {"owner": "a", "round": 0, "step": 0}, {"x": x})  # goes on
+    hub.handle("a", "Backward", {"owner": "a", "step": 0}, {"g": torch.ones(2, 128)})
+    assert hub.ledger[-1]["kind"] == "step" and hub.ledger[-1]["owner"] == "a"

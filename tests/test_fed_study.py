@@ -3,6 +3,7 @@ Lightning fit in its own process, over gRPC with mutual TLS on 127.0.0.1. One hu
 serves every study of this file, and each owner's process runs its studies one after
 the other (the barriers keep them in step), so the processes start once."""
 
+import functools
 import json
 import os
 import pickle
@@ -29,6 +30,7 @@ STUDIES = {
     "one1": {"owners": ["b"], "schedule": "v1"},
     "one2": {"owners": ["c"], "schedule": "v2", "order": "round_robin"},
     "v1": {"owners": ["a", "b", "c"], "schedule": "v1"},
+    "avg": {"owners": ["a", "b", "c"], "schedule": "v1", "averager": "averager"},
     "arr": {"owners": ["a", "b", "c"], "schedule": "v2", "order": "arrival",
             "kwargs": {"p": 0.5}},
     "rr": {"owners": ["a", "b", "c"], "schedule": "v2", "order": "round_robin",
@@ -40,16 +42,23 @@ STUDIES = {
     "dropv2": {"owners": ["a", "b", "c2"], "schedule": "v2", "order": "arrival",
                "quorum": 2, "turn_timeout": 3.0, "round_timeout": 300.0},
     "res": {"owners": ["a", "b"], "schedule": "v1", "rounds": 4},
+    "slowv1": {"owners": ["a", "b", "c"], "schedule": "v1", "quorum": 2, "rounds": 3,
+               "round_timeout": 4.0},
+    "slowv2": {"owners": ["a", "b", "c"], "schedule": "v2", "order": "arrival",
+               "quorum": 2, "turn_timeout": 2.0},
     "steps": {"owners": ["a", "b", "c"], "schedule": "v1", "round_steps": 2, "rounds": 2},
 }
 RUNS = {  # each owner's process: its studies in order, and what happens to it; "res"
-    # stops after round 2 of 4 and resumes once the hub is back (RESUME holds its address)
-    "a": ["v1", "steps", "arr", "rr", "rr2", "dropv1", "dropv2", "res", "--delays", "arr",
-          "--epochs", "res:2", "--then", "res:{resume}"],
-    "b": ["one1", "v1", "steps", "arr", "rr", "rr2", "dropv1", "dropv2", "res", "--delays", "arr",
-          "--epochs", "res:2", "--then", "res:{resume}"],
-    "c": ["one2", "v1", "steps", "arr", "rr", "rr2", "dropv1", "--delays", "arr",
-          "--kill", "dropv1:1:0"],
+    # stops after round 2 of 4 and resumes once the hub is back (RESUME holds its address);
+    # c is slow but alive in round 1 of slowv1 (late at the barrier) and slowv2 (a late
+    # Backward), then lost mid-step in dropv1
+    "a": ["v1", "avg", "steps", "arr", "rr", "rr2", "slowv1", "slowv2", "dropv1", "dropv2",
+          "res", "--delays", "arr", "--epochs", "res:2", "--then", "res:{resume}"],
+    "b": ["one1", "v1", "avg", "steps", "arr", "rr", "rr2", "slowv1", "slowv2", "dropv1",
+          "dropv2", "res", "--delays", "arr", "--epochs", "res:2", "--then", "res:{resume}"],
+    "c": ["one2", "v1", "avg", "steps", "arr", "rr", "rr2", "slowv1", "slowv2", "dropv1",
+          "--delays", "arr", "--kill", "dropv1:1:0", "--slow", "slowv1:1:0:barrier",
+          "--slow", "slowv2:1:0:backward"],
     "c2": ["dropv2", "--kill", "dropv2:1:0"],
 }
 
@@ -64,30 +73,42 @@ def _toml(name, spec):
     return "\n".join(lines) + "\n"
 
 
-def _start_hub(d, studies, resume=False):
-    ready = d / f"port-{time.monotonic_ns()}"
+def _launch(d, studies, resume=False, averager=False):
+    """``somatize hub`` of ``studies`` started (or, ``averager``, ``somatize hub
+    --average-only``, the studies' averager): the process and the file its port comes to."""
+    ready, me = d / f"port-{time.monotonic_ns()}", "averager" if averager else "hub"
     cmd = [sys.executable, "-m", "somatize", "hub", "--listen", "127.0.0.1:0",
-           "--identity", str(d / "pki" / "hub.pem"), "--ca", str(d / "pki" / "ca.pem"),
-           "--checkpoints", str(d / "ck"), "--store", str(d / "store"),
-           "--audit", str(d / "audit.jsonl"),
+           "--identity", str(d / "pki" / f"{me}.pem"), "--ca", str(d / "pki" / "ca.pem"),
+           "--audit", str(d / f"{me}-audit.jsonl" if averager else d / "audit.jsonl"),
            "--ready", str(ready)]
+    cmd += ["--average-only"] if averager else ["--checkpoints", str(d / "ck"), "--store",
+                                                 str(d / "store")]
     for s in studies:
         cmd += ["--study", str(d / f"{s}.toml")]
     if resume:
         cmd.append("--resume")
-    hub = subprocess.Popen(cmd, cwd=ROOT, stdout=open(d / "hub.log", "a"),
-                           stderr=subprocess.STDOUT)
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=open(d / f"{me}.log", "a"),
+                            stderr=subprocess.STDOUT), ready, d / f"{me}.log"
+
+
+def _serving(launched):
+    proc, ready, log = launched
     deadline = time.monotonic() + 120
     while not ready.exists():
-        assert hub.poll() is None, (d / "hub.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, "the hub did not start within 120 s"
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"{log.stem} did not start within 120 s"
         time.sleep(0.1)
-    return hub, f"127.0.0.1:{ready.read_text()}"
+    return proc, f"127.0.0.1:{ready.read_text()}"
 
 
-def _owner(d, address, owner, args, log):
+def _start_hub(d, studies, resume=False):
+    return _serving(_launch(d, studies, resume))
+
+
+def _owner(d, address, owner, args, log, averager):
     name = "c" if owner == "c2" else owner  # c2: a second process of another owner
     cmd = [sys.executable, str(ROOT / "tests" / "fed_runs.py"), "--hub", address,
+           "--averager", averager,
            "--pki", str(d / "pki"), "--owner", owner, "--name", name, "--configs", str(d),
            "--out", str(d), *(a.format(resume=d / "resume") for a in args)]
     return subprocess.Popen(cmd, cwd=ROOT, stdout=open(d / f"{log}.log", "w"),
@@ -108,14 +129,15 @@ def _stop(p):
 def study(tmp_path_factory):
     d = tmp_path_factory.mktemp("fed")
     make_ca(d / "pki")
-    for party in ("hub", "a", "b", "c", "c2", "x"):
+    for party in ("hub", "averager", "a", "b", "c", "c2", "x"):
         issue(d / "pki", party)
     make_ca(d / "other")
     issue(d / "other", "a")  # a stranger's certificate with an owner's name
     for name, spec in STUDIES.items():
         (d / f"{name}.toml").write_text(_toml(name, spec))
-    hub, address = _start_hub(d, STUDIES)
-    owners = {o: _owner(d, address, o, args, o) for o, args in RUNS.items()}
+    starting = _launch(d, STUDIES), _launch(d, ["avg"], averager=True)  # side by side
+    (hub, address), (averager, averager_address) = map(_serving, starting)
+    owners = {o: _owner(d, address, o, args, o, averager_address) for o, args in RUNS.items()}
     lost = None
     try:
         deadline = time.monotonic() + 400
@@ -141,6 +163,7 @@ def study(tmp_path_factory):
         for p in owners.values():
             _stop(p)
         _stop(hub)
+        _stop(averager)
 
 
 def _run(d, s, owner):
@@ -157,6 +180,15 @@ def _owners(cfg):
 
 def _seeds(cfg):
     return {o: owner_seed(o) for o in cfg.owners}
+
+
+@functools.cache
+def _fedavg(d, rounds):
+    """FedAvg of three plain Lightning fits (test_fed.py's oracle) after ``rounds``: the
+    state every owner of study v1 (and avg) holds."""
+    from test_fed import _plain_fedavg
+
+    return _plain_fedavg(_cfg(d, "v1"), list("abc"), rounds)["a"].state_dict()
 
 
 def _same(a, b):
@@ -190,12 +222,9 @@ def test_a_study_of_one_owner_equals_plain_lightning(study, name):
 
 
 def test_v1_with_three_owners_of_unequal_rows_equals_fedavg_of_plain_fits(study):
-    from test_fed import _plain_fedavg
-
     d = study["dir"]
-    cfg = _cfg(d, "v1")
     assert len({ROWS[o] for o in "abc"}) == 3
-    ref = _plain_fedavg(cfg, list("abc"), rounds=2)["a"].state_dict()
+    ref = _fedavg(d, 2)
     for o in "abc":
         _same(_run(d, "v1", o)["state"],
               {k: v for k, v in ref.items() if not k.startswith("trunk.")})
@@ -203,6 +232,39 @@ def test_v1_with_three_owners_of_unequal_rows_equals_fedavg_of_plain_fits(study)
     _same(trunk, {k[6:]: v for k, v in ref.items() if k.startswith("trunk.")})
     assert [e["rows"] for e in ledger if e["kind"] == "average"] == [
         {"a": 24, "b": 16, "c": 8}] * 2
+
+
+def test_v1_with_an_averager_of_its_own_equals_fedavg_and_the_hub_never_sees_a_part(study):
+    # [fedavg] averager = "averager": each owner sends its parts to that party (somatize
+    # hub --average-only, its own certificate) at the barrier, with its rows and the
+    # owners the hub averaged; the result is the hub's study's: FedAvg of plain fits
+    d = study["dir"]
+    ref = _fedavg(d, 2)
+    for o in "abc":
+        _same(_run(d, "avg", o)["state"],
+              {k: v for k, v in ref.items() if not k.startswith("trunk.")})
+    trunk, ledger = load_round(d / "ck", "avg")
+    _same(trunk, {k[6:]: v for k, v in ref.items() if k.startswith("trunk.")})
+    assert [e["rows"] for e in ledger if e["kind"] == "average"] == [
+        {"a": 24, "b": 16, "c": 8}] * 2
+    hub = [json.loads(line) for line in (d / "audit.jsonl").read_text().splitlines()]
+    hub = [e for e in hub if e.get("fields", {}).get("study") == "avg"]
+    assert {e["kind"] for e in hub} == {"Attach", "Forward", "Backward", "RoundEnd"}
+    assert not [e for e in hub if e["kind"] not in ("Forward", "Backward") and e["tensors"]]
+    assert {tuple(t[2][1:]) for e in hub for t in e["tensors"]} == {(128,)}  # cut tensors
+    parts = {f"{p}.{k}": list(v.shape) for p in ("stem", "head")
+             for k, v in make_net(_cfg(d, "avg")).get_submodule(p).state_dict().items()}
+    got = [json.loads(line) for line in (d / "averager-audit.jsonl").read_text().splitlines()]
+    assert sorted((e["owner"], e["kind"], e["fields"]["round"]) for e in got) == [
+        (o, "RoundEnd", r) for o in "abc" for r in (0, 1)]
+    for e in got:  # the parts, and nothing else
+        assert {n: s for n, _, s in e["tensors"]} == parts and not e.get("refused"), e
+        assert e["fields"]["owners"] == ["a", "b", "c"]
+        assert e["fields"]["rows"] == {"a": 24, "b": 16, "c": 8}[e["owner"]]
+    from somatize.fed import export_round  # the hub's store holds the shared module only
+
+    assert not [k for k in export_round(d / "store", "avg", "trunk") if not k.startswith(
+        "trunk.")]
 
 
 def test_v2_in_arrival_order_equals_the_replay_of_its_ledger(study):
@@ -243,7 +305,7 @@ def test_v1_an_owner_lost_mid_round_is_left_out_at_quorum(study):
     trunk, ledger = load_round(d / "ck", "dropv1")
     lost = [e for e in ledger if e.get("owner") == "c" and e["kind"] != "step"]
     assert lost == [{"round": 1, "owner": "c", "step": 0, "kind": "discarded",
-                     "why": "turn_timeout"}]
+                     "why": "turn_timeout"}, {"round": 1, "owner": "c", "kind": "excluded"}]
     assert [e["owners"] for e in ledger if e["kind"] == "average"] == [["a", "b", "c"],
                                                                         ["a", "b"]]
     cfg = _cfg(d, "dropv1")
@@ -258,7 +320,7 @@ def test_v2_an_owner_lost_mid_turn_has_its_step_discarded_and_replay_still_equal
     trunk, ledger = load_round(d / "ck", "dropv2")
     lost = [e for e in ledger if e.get("owner") == "c2" and e["kind"] != "step"]
     assert lost == [{"round": 1, "owner": "c2", "step": 0, "kind": "discarded",
-                     "why": "turn_timeout"}]
+                     "why": "turn_timeout"}, {"round": 1, "owner": "c2", "kind": "excluded"}]
     assert [e["owners"] for e in ledger if e["kind"] == "average"] == [["a", "b", "c2"],
                                                                         ["a", "b"]]
     cfg = _cfg(d, "dropv2")
@@ -266,6 +328,56 @@ def test_v2_an_owner_lost_mid_turn_has_its_step_discarded_and_replay_still_equal
     _same(trunk, ref.trunk)
     for o in "ab":
         _same(_run(d, "dropv2", o)["state"], ref.own_state(o, "trunk"))
+
+
+def test_v1_an_owner_late_at_the_barrier_is_told_it_was_left_out_and_the_study_goes_on(study):
+    # c, alive, reaches round 1's barrier after round_timeout: a and b were averaged
+    # without it at quorum, and round 2 went on without it; its late RoundEnd is refused
+    # (Excluded: the round it was left out of, the round it may attach at again) and its
+    # fit stops there; nothing it sent after was applied (the replay of the ledger)
+    d = study["dir"]
+    trunk, ledger = load_round(d / "ck", "slowv1")
+    assert [e for e in ledger if e.get("owner") == "c" and e["kind"] != "step"] == [
+        {"round": 1, "owner": "c", "kind": "excluded"}]
+    assert [e["owners"] for e in ledger if e["kind"] == "average"] == [
+        ["a", "b", "c"], ["a", "b"], ["a", "b"]]
+    cfg = _cfg(d, "slowv1")
+    ref = replay(ledger, _owners(cfg), cfg, seeds=_seeds(cfg))
+    _same(trunk, ref.trunk)
+    for o in "ab":
+        _same(_run(d, "slowv1", o)["state"], ref.own_state(o, "trunk"))
+    late = _run(d, "slowv1", "c")
+    assert (late["error"], late["round"], late["rejoin"]) == ("Excluded", 1, 2)
+    assert ("owner 'c' was left out of round 1 of study 'slowv1' (not at the barrier within "
+            "round_timeout (4.0s)") in late["message"]
+    assert "attach at round 2 or later" in late["message"]
+    assert len(late["losses"]) == 2  # its two steps; round 1's ran on the hub, unaveraged
+
+
+def test_v2_a_backward_past_turn_timeout_is_refused_and_nothing_of_it_applied(study):
+    # c's Forward of round 1 ran; its Backward came after turn_timeout: the step was
+    # discarded (no optimizer step ran) and ledgered, c left out; the late Backward is
+    # refused (Excluded), the hub went on, and the replay of the ledger equals the hub
+    d = study["dir"]
+    trunk, ledger = load_round(d / "ck", "slowv2")
+    assert [e for e in ledger if e.get("owner") == "c" and e["kind"] != "step"] == [
+        {"round": 1, "owner": "c", "step": 0, "kind": "discarded", "why": "turn_timeout"},
+        {"round": 1, "owner": "c", "kind": "excluded"}]
+    assert [e["owners"] for e in ledger if e["kind"] == "average"] == [["a", "b", "c"],
+                                                                        ["a", "b"]]
+    cfg = _cfg(d, "slowv2")
+    ref = replay(ledger, _owners(cfg), cfg, seeds=_seeds(cfg))
+    _same(trunk, ref.trunk)
+    for o in "ab":
+        _same(_run(d, "slowv2", o)["state"], ref.own_state(o, "trunk"))
+        assert _run(d, "slowv2", o)["losses"] == ref.losses[o]
+    late = _run(d, "slowv2", "c")
+    assert (late["error"], late["round"], late["rejoin"]) == ("Excluded", 1, 2)
+    assert "its step 0 had no Backward within turn_timeout (2.0s)" in late["message"]
+    entries = [json.loads(line) for line in (d / "audit.jsonl").read_text().splitlines()]
+    (refused,) = [e for e in entries if e.get("owner") == "c" and e.get("kind") == "Backward"
+                  and e["fields"].get("study") == "slowv2" and e.get("refused")]
+    assert "left out of round 1" in refused["refused"]
 
 
 def test_the_wire_carries_cut_tensors_and_typed_control_only(study):
@@ -281,18 +393,20 @@ def test_the_wire_carries_cut_tensors_and_typed_control_only(study):
         per_kind[e["kind"]] += 1
         shapes = {n: (dt, s) for n, dt, s in e["tensors"]}
         assert set(e["fields"]) <= {"study", "owner", "round", "step", "train", "digest",
-                                    "precision", "schedule"}, e
+                                    "precision", "schedule", "evaluate"}, e
         if e["kind"] in ("Forward", "Backward"):
             ((name, (dt, shape)),) = shapes.items()
             assert name == ("x" if e["kind"] == "Forward" else "g")
             assert dt == "torch.float32" and shape[1:] == [128] and shape[0] <= 8, e
-        elif e["kind"] == "RoundEnd":
+        elif e["kind"] == "RoundEnd" and e["fields"]["study"] != "avg":
             assert {n: s for n, (_, s) in shapes.items()} == parts
+        elif e["kind"] == "RoundEnd":
+            assert not shapes, e  # the study's parts went to its averager
         else:
             assert not shapes, e  # Attach, Detach: control only
         for _, (dt, shape) in shapes.items():  # no input [n, 4], no label, no RNG state
             assert dt == "torch.float32" and shape[-1:] != [4] or shape in parts.values()
-    assert per_kind["Forward"] == per_kind["Backward"] + 2  # the two discarded steps
+    assert per_kind["Forward"] == per_kind["Backward"] + 3  # the three discarded steps
     # bytes per step: the activation and the gradient, and the frames' headers
     steps = [e for e in entries if e.get("fields", {}).get("study") == "v1"
              and e["kind"] in ("Forward", "Backward")]
@@ -395,8 +509,6 @@ def test_a_round_exports_as_a_plain_state_dict_that_loads_without_somatize(study
     # takes tensors in plain containers only: nothing of somatize in it); it loads into
     # the LightningModule, strict, and equals FedAvg of three plain Lightning fits, at
     # the last barrier and the first (test_fed_store.py: the store's side of it)
-    from test_fed import _plain_fedavg
-
     from somatize import Refused
     from somatize.fed import export_round
 
@@ -414,8 +526,8 @@ def test_a_round_exports_as_a_plain_state_dict_that_loads_without_somatize(study
     last, first = make_net(cfg), make_net(cfg)  # (plain LightningModules)
     last.load_state_dict(torch.load(out, weights_only=True))
     first.load_state_dict(export_round(d / "store", "v1", "trunk", round=1))
-    _same(last.state_dict(), _plain_fedavg(cfg, list("abc"), rounds=2)["a"].state_dict())
-    _same(first.state_dict(), _plain_fedavg(cfg, list("abc"), rounds=1)["a"].state_dict())
+    _same(last.state_dict(), _fedavg(d, 2))
+    _same(first.state_dict(), _fedavg(d, 1))
     trunk, ledger = load_round(d / "ck", "v1")
     _same({k[6:]: v for k, v in last.state_dict().items() if k.startswith("trunk.")}, trunk)
     parts = {k: v for k, v in last.state_dict().items() if not k.startswith("trunk.")}

@@ -106,8 +106,21 @@ def pid_of(out: str, module: str, where: str = "here") -> int:
     return int(found.group(1))
 
 
-def test_python_train_py_trains_plainly(tmp_path):
-    out = train(tmp_path)
+# a short fit of a few steps and two epochs: what the study test compares with
+LINE = ["trainer.max_epochs=2", "data.limit=64", "data.batch_size=16",
+        "trainer.log_every_n_steps=1"]
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """``python train.py`` of LINE, in one piece: its directory and what it said."""
+    d = tmp_path_factory.mktemp("plain")
+    done = scenario(ROOT / "train.py", *LINE, f"hydra.run.dir={d}", cwd=d)
+    return d, done.stdout + done.stderr
+
+
+def test_python_train_py_trains_plainly(plain):
+    _, out = plain
     assert f"module 'body' ran in process {pid_of(out, 'head')} (here)" in out
     assert "accuracy on held-out digits" in out
 
@@ -222,3 +235,68 @@ def test_the_commands_the_cli_names_run_its_version_and_errors_are_one_line(caps
     assert main(["show", str(tmp_path / "gone.py")]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "gone.py: No such file or directory" in err, err
+
+
+def test_python_train_py_as_the_one_owner_of_a_study_equals_plain_lightning(plain, tmp_path):
+    """`+somatize=splitfed` end to end: a real hub (`somatize hub`, certificates from
+    `somatize fed cert`) holds the body, train.py is the study's one owner; its losses,
+    validation and test numbers are plain train.py's (==), and the weights are (the body
+    the hub's, at its last barrier; the head the owner's checkpoint's) bit for bit."""
+    import csv
+    import time
+
+    import torch
+
+    from somatize._cli import main
+    from somatize.fed import load_round
+
+    pki, ck, ready = tmp_path / "pki", tmp_path / "ck", tmp_path / "ready"
+    assert main(["fed", "cert", str(pki), "hub", "hospital"]) == 0  # the CA, then each party
+    (tmp_path / "digits.toml").write_text(
+        '[study]\nname = "digits"\nowners = ["hospital"]\n'
+        '[server]\nmodule = "fed_models:DigitsBody"\nkwargs = { hidden = 32 }\n'
+        'init = "seed:0"\n'  # train.py's seed: the body it starts with
+        'optimizer = { class = "torch.optim.SGD", lr = 0.5, momentum = 0.9 }\n'
+        '[fedavg]\nparts = ["head"]\n')
+    from scenario import start
+
+    hub = start("hub_run.py", "--study", tmp_path / "digits.toml", "--listen", "127.0.0.1:0",
+                "--identity", pki / "hub.pem", "--ca", pki / "ca.pem", "--checkpoints", ck,
+                "--ready", ready)  # somatize hub, forked from the warm process
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert hub.poll() is None and time.monotonic() < deadline, hub.communicate()
+            time.sleep(0.1)
+        owner = scenario(ROOT / "train.py", *LINE, f"hydra.run.dir={tmp_path / 'owner'}",
+                         "+somatize=splitfed", f"somatize.study.config={tmp_path / 'digits.toml'}",
+                         f"somatize.study.hub=127.0.0.1:{ready.read_text()}",
+                         "somatize.study.owner=hospital",
+                         f"somatize.study.identity={pki / 'hospital.pem'}",
+                         f"somatize.study.ca={pki / 'ca.pem'}", cwd=tmp_path)
+    finally:
+        hub.terminate()
+        hub.wait(30)
+    said = {}
+    dirs = {"plain": plain[0], "owner": tmp_path / "owner"}
+    for name, out in (("plain", plain[1]), ("owner", owner.stdout + owner.stderr)):
+        found = re.search(r"accuracy on held-out digits: (\S+)", out)
+        assert found, out[-3000:]
+        said[name] = found.group(1)
+    assert said["owner"] == said["plain"]
+    rows, numbers = {}, ("train_loss", "val_loss", "val_acc", "test_acc")
+    for name in ("plain", "owner"):
+        with open(dirs[name] / "logs" / "version_0" / "metrics.csv") as f:
+            logged = [{k: r[k] for k in ("step", *numbers)} for r in csv.DictReader(f)]
+            rows[name] = [r for r in logged if any(r[k] for k in numbers)]  # (not somatize/*)
+    assert [r["train_loss"] for r in rows["owner"] if r["train_loss"]] and (
+        rows["owner"] == rows["plain"])
+    want = torch.load(dirs["plain"] / "checkpoints" / "last.ckpt",
+                      weights_only=False)["state_dict"]
+    got = torch.load(tmp_path / "owner" / "checkpoints" / "last.ckpt", weights_only=False)
+    assert got["somatize"]["study"]["round"] == 2
+    body, ledger = load_round(ck, "digits")
+    assert [e["kind"] for e in ledger].count("step") == 8
+    for k, v in want.items():
+        mine = body[k[5:]] if k.startswith("body.") else got["state_dict"][k]
+        assert torch.equal(mine, v), k

@@ -11,12 +11,12 @@ organizations: each owner runs its own Lightning fit; a hub holds the shared mod
 from ._average import average
 from ._config import StudyConfig
 from ._frames import FrameError
-from ._link import HubRefused
+from ._link import Excluded, HubRefused
 from ._replay import Run, replay, schedule, simulate
 from ._rounds import export_round, load_round
 from ._seeds import generator_seed
 from ._study import Shared, Study, shared_place
 
-__all__ = ["FrameError", "HubRefused", "Run", "Shared", "Study", "StudyConfig", "average",
-           "export_round", "generator_seed", "load_round", "replay", "schedule",
+__all__ = ["Excluded", "FrameError", "HubRefused", "Run", "Shared", "Study", "StudyConfig",
+           "average", "export_round", "generator_seed", "load_round", "replay", "schedule",
            "shared_place", "simulate"]

@@ -6,6 +6,8 @@ certificates; a round exported as a plain state_dict).
     somatize hub --study ct-2027.toml --listen 0.0.0.0:7443 --identity pki/hub.pem \\
         --ca pki/ca.pem --checkpoints /srv/somatize/fed --store /srv/somatize/store
     somatize fed export /srv/somatize/store ct-2027 --shared trunk --out ct-2027.pt
+    somatize hub --average-only --study ct-2027.toml --listen 0.0.0.0:7444 \
+        --identity pki/averager.pem --ca pki/ca.pem     # a study's averager ([fedavg] averager)
 """
 
 from __future__ import annotations
@@ -34,20 +36,36 @@ def hub_main(argv: list[str]) -> int:
                          "(default 0: every round)")
     ap.add_argument("--audit", help="write one JSON line per message received here")
     ap.add_argument("--ready", help="write the port listened on to this file once serving")
+    ap.add_argument("--average-only", action="store_true",
+                    help="serve as the studies' averager ([fedavg] averager = the name of "
+                         "--identity): take the owners' parts at each barrier and answer "
+                         "their average; no shared module")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s hub %(message)s")
+    from .._errors import Refused
+    from ._averager import StudyAverager
     from ._config import StudyConfig
     from ._hub import StudyHub
     from ._link import serve
 
-    hubs = {}
+    hubs: dict = {}
     for path in args.study:
         cfg = StudyConfig.load(path)
-        hubs[cfg.name] = StudyHub(cfg, args.checkpoints, resume=args.resume,
-                                  store=args.store, keep_rounds=args.keep_rounds)
+        if args.average_only:
+            if not cfg.averager:
+                raise Refused(f"somatize hub --average-only: study {cfg.name!r} ({path}) "
+                              "names no averager: its hub averages its parts")
+            if args.checkpoints or args.store or args.resume:
+                raise Refused("somatize hub --average-only keeps no round: drop "
+                              "--checkpoints, --store and --resume")
+            hubs[cfg.name] = StudyAverager(cfg)
+        else:
+            hubs[cfg.name] = StudyHub(cfg, args.checkpoints, resume=args.resume,
+                                      store=args.store, keep_rounds=args.keep_rounds)
     server = serve(hubs, args.listen, args.identity, args.ca, audit=args.audit)
     host = args.listen.rpartition(":")[0]
-    print(f"somatize hub: studies {sorted(hubs)} on {host}:{server.port}", flush=True)
+    what = "averager" if args.average_only else "hub"
+    print(f"somatize {what}: studies {sorted(hubs)} on {host}:{server.port}", flush=True)
     if args.ready:
         tmp = Path(args.ready + ".tmp")
         tmp.write_text(str(server.port))

@@ -33,7 +33,9 @@ class StudyConfig:
     shared module's seeds derive from (the name when not given); ``rounds``: how many
     rounds the owners run (informational; each owner's ``max_epochs`` or ``max_steps``
     decides); ``round_steps``: a round is that many owner-steps of each owner (its
-    batches in order across epochs), or, 0, an epoch."""
+    batches in order across epochs), or, 0, an epoch; ``averager``: the common name of
+    the certificate of the party that averages the parts (``somatize hub
+    --average-only``), so that the hub never receives them; None: the hub averages."""
 
     name: str
     owners: tuple[str, ...]
@@ -52,6 +54,7 @@ class StudyConfig:
     key: str | None = None
     rounds: int = 0  # how many rounds the owners run (0: as their fits say)
     round_steps: int = 0  # a round is this many owner-steps of each owner; 0: an epoch
+    averager: str | None = None  # the averager's certificate name; None: the hub averages
 
     def __post_init__(self):
         where = f"study {self.name!r}"
@@ -74,6 +77,10 @@ class StudyConfig:
         if not isinstance(self.round_steps, int) or self.round_steps < 0:
             raise Refused(f"{where}: round_steps = {self.round_steps!r}; say how many "
                           "owner-steps a round is (0: a round is an epoch)")
+        if self.averager is not None and (not isinstance(self.averager, str) or not self.averager
+                                          or self.averager in self.owners or not self.parts):
+            raise Refused(f"{where}: averager = {self.averager!r}; name the certificate of "
+                          "a party that is not an owner, for a study that averages parts")
         if "class" not in self.optimizer:
             raise Refused(f"{where}: optimizer = {dict(self.optimizer)}; name its class: "
                           "{class = 'torch.optim.SGD', lr = 0.1}")
@@ -111,6 +118,8 @@ class StudyConfig:
                "owners": sorted(self.owners)}
         if self.round_steps:  # (epoch rounds keep the digests they had)
             got["round_steps"] = self.round_steps
+        if self.averager:  # (as may a study the hub averages)
+            got["averager"] = self.averager
         return got
 
     def digest(self) -> str:

@@ -94,8 +94,9 @@ def decode(data: bytes, kinds: frozenset = KINDS
 
 
 class Refusal(Exception):
-    """What the hub answers instead of running a message: ``code`` and one line."""
+    """What the hub answers instead of running a message: ``code``, one line, and
+    typed ``fields`` (``excluded``: the round left out of, and the round to rejoin at)."""
 
-    def __init__(self, code: str, message: str):
+    def __init__(self, code: str, message: str, **fields: int | str):
         super().__init__(message)
-        self.code = code
+        self.code, self.fields = code, fields

@@ -24,11 +24,12 @@ from ._flat import flat_optimizer, unflat_optimizer
 from ._frames import Refusal
 from ._rounds import average_digest, check_keep, keep_round, tensor_digest, write_round
 from ._seeds import generator_seed, seeded
+from ._turns import Turns
 
 log = logging.getLogger(__name__)
 
 
-class StudyHub:
+class StudyHub(Turns):
     """One study's state on the hub; ``handle`` is thread-safe (the transport calls it
     from its threads). ``checkpoints``: a directory, written at each round barrier (to
     resume from); ``store``: a store each barrier's shared state and average are kept in
@@ -53,7 +54,8 @@ class StudyHub:
         self.ledger: list[dict] = []
         self.averaged: dict[str, torch.Tensor] = {}  # the last round's average of the parts
         self.attached: set[str] = set()
-        self.gone: set[str] = set()  # excluded from the study (lost mid-round)
+        self.checked: set[str] = set()  # whose study definition is the hub's (may evaluate)
+        self.gone: dict[str, tuple[int, str]] = {}  # left out: the round, and why
         self._new_round()
         if resume:
             self._resume()
@@ -64,7 +66,7 @@ class StudyHub:
         self.rows = {o: 0 for o in self.cfg.owners}
         self.pending: dict[str, tuple[int, torch.Tensor, torch.Tensor, float]] = {}
         self.arrived: dict[str, dict[str, torch.Tensor]] = {}
-        self.answer: dict[int, tuple[str, dict[str, torch.Tensor]]] = {}
+        self.answer: dict[int, tuple[str, dict[str, torch.Tensor], list[str]]] = {}
         self.first_arrival: float | None = None
         self.turn: tuple[str, float] | None = None
         self.last_turn: str | None = None
@@ -98,12 +100,12 @@ class StudyHub:
                                       f"{owner!r}'s certificate")
         if kind == "Attach":
             return self._attach(owner, fields)
-        if owner not in self.attached:
+        evaluating = kind == "Forward" and not fields.get("train", True)
+        if owner not in (self.checked if evaluating else self.attached):
             raise Refusal("attach", f"owner {owner!r} sent {kind} before Attach")
-        if owner in self.gone:
-            raise Refusal("excluded", f"owner {owner!r} was left out of study "
-                                      f"{self.cfg.name!r} (lost mid-round); attach again "
-                                      "from the last round to come back")
+        with self.cond:
+            if owner in self.gone:
+                raise self._excluded(owner)
         if kind == "Forward":
             return self._forward(owner, fields, tensors)
         if kind == "Backward":
@@ -127,12 +129,17 @@ class StudyHub:
                                     f"{name} {got!r}; the hub's is {want!r}: use the study's "
                                     "own definition")
         with self.cond:
+            self.checked.add(owner)
+            if fields.get("evaluate"):  # only to evaluate (validation, test): joins no round
+                return "Attached", {"round": self.round, "digest": cfg.digest()}, {}
             if fields.get("round") != self.round:
                 raise Refusal("round", f"owner {owner!r} attaches at round "
                                        f"{fields.get('round')!r}; study {cfg.name!r} is at "
                                        f"round {self.round}: resume from round {self.round}'s "
                                        "checkpoint")
-            self.gone.discard(owner)
+            if owner in self.gone and self.round <= self.gone[owner][0]:
+                raise self._excluded(owner)  # not at the round it was left out of
+            self.gone.pop(owner, None)
             self.attached.add(owner)
             self.cond.notify_all()
         return "Attached", {"round": self.round, "digest": cfg.digest()}, {}
@@ -170,15 +177,15 @@ class StudyHub:
             if not self.v1:
                 self._take_turn(owner)
             step = self.steps[owner]
-        with self.compute:
-            m = self._module(owner)
-            m.train()
-            leaf = x.detach().requires_grad_(True)
-            with seeded(generator_seed(self.cfg.seed_key, owner, self.round, step)):
-                with torch.enable_grad():
-                    out = m(leaf)
-        y = self._tensor_out(out)
-        with self.cond:
+            # under the lock: no round closes, and no step expires, halfway through it
+            with self.compute:
+                m = self._module(owner)
+                m.train()
+                leaf = x.detach().requires_grad_(True)
+                with seeded(generator_seed(self.cfg.seed_key, owner, self.round, step)):
+                    with torch.enable_grad():
+                        out = m(leaf)
+            y = self._tensor_out(out)
             self.pending[owner] = (step, leaf, out, time.monotonic())
         return "Output", {}, {"y": y}
 
@@ -190,24 +197,27 @@ class StudyHub:
         return out.detach()
 
     def _backward(self, owner: str, fields: dict, tensors: dict) -> tuple[str, dict, dict]:
-        with self.cond:
+        with self.cond:  # the whole step under the lock: a round closes before or after it
+            self._expire()  # a Backward past turn_timeout is late, whoever else is here
+            if owner in self.gone:
+                raise self._excluded(owner)
             got = self.pending.get(owner)
             if got is None or got[0] != fields.get("step"):
                 raise Refusal("step", f"owner {owner!r} sent the Backward of step "
                                       f"{fields.get('step')!r}, which is not in flight "
-                                      "(discarded past turn_timeout, or never sent)")
+                                      "(never sent, or sent twice)")
+            g = tensors.get("g")
+            out = got[2]
+            if g is None or len(tensors) != 1 or g.shape != out.shape or g.dtype != out.dtype:
+                raise Refusal("shape", f"a Backward carries one tensor 'g' of "
+                                       f"{tuple(out.shape)} {out.dtype}")
             step, leaf, out, _ = self.pending.pop(owner)
-        g = tensors.get("g")
-        if g is None or len(tensors) != 1 or g.shape != out.shape or g.dtype != out.dtype:
-            raise Refusal("shape", f"a Backward carries one tensor 'g' of {tuple(out.shape)} "
-                                   f"{out.dtype}")
-        with self.compute:
-            opt = self._opt(owner)
-            out.backward(g)
-            gx = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        with self.cond:
+            with self.compute:
+                opt = self._opt(owner)
+                out.backward(g)
+                gx = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             self.steps[owner] = step + 1
             self.rows[owner] += int(leaf.shape[0]) if leaf.dim() else 1
             self.ledger.append({"round": self.round, "owner": owner, "step": step,
@@ -218,74 +228,11 @@ class StudyHub:
             self.cond.notify_all()
         return "Grad", {}, {"gx": gx.detach()}
 
-    # -- V2's turns (under self.cond) ------------------------------------------------------
-    def _stepping(self) -> list[str]:
-        return [o for o in sorted(self.cfg.owners)
-                if o not in self.arrived and o not in self.gone]
-
-    def _expire(self) -> None:
-        """A step in flight whose Backward did not come within turn_timeout is discarded
-        (no optimizer step ran) and its owner left out: lost, or too slow."""
-        now = time.monotonic()
-        for owner, (step, _, _, since) in list(self.pending.items()):
-            if now - since <= self.cfg.turn_timeout:
-                continue
-            del self.pending[owner]
-            self.ledger.append({"round": self.round, "owner": owner, "step": step,
-                                "kind": "discarded", "why": "turn_timeout"})
-            log.warning("study %s: owner %r's step %d in flight is discarded (no Backward "
-                        "within %ss); no optimizer step ran", self.cfg.name, owner, step,
-                        self.cfg.turn_timeout)
-            with self.compute:
-                self._opt(owner).zero_grad(set_to_none=True)
-            self.gone.add(owner)
-            if self.turn is not None and self.turn[0] == owner:
-                self.turn = None
-            self.free_since = now
-            self.cond.notify_all()
-
-    def _next(self, waiting: str) -> str | None:
-        stepping = self._stepping()
-        if self.cfg.order == "arrival" or not stepping:
-            return waiting
-        if self.cfg.order == "owner_sequential":
-            return stepping[0]
-        after = [o for o in stepping if self.last_turn is None or o > self.last_turn]
-        return (after or stepping)[0]
-
-    def _take_turn(self, owner: str) -> None:
-        deadline = time.monotonic() + self.cfg.round_timeout
-        if self.round_open is None:
-            self.round_open = time.monotonic()
-        while True:
-            self._expire()
-            if owner in self.gone:
-                raise Refusal("excluded", f"owner {owner!r}'s turn was discarded")
-            if self.turn is None and self.cfg.order != "arrival":
-                missing = [o for o in self.cfg.owners
-                           if o not in self.attached and o not in self.gone]
-                if missing and time.monotonic() - self.round_open < self.cfg.round_timeout:
-                    self.cond.wait(0.05)  # a fixed order starts with every owner there
-                    continue
-                if not self.started:  # the first turn's owner has turn_timeout from now
-                    self.started, self.free_since = True, time.monotonic()
-            if self.turn is None:
-                nxt = self._next(owner)
-                if nxt == owner:
-                    self.turn = (owner, time.monotonic())
-                    return
-                if time.monotonic() - self.free_since > self.cfg.turn_timeout:
-                    self.ledger.append({"round": self.round, "owner": nxt,
-                                        "step": self.steps[nxt], "kind": "skipped"})
-                    self.last_turn, self.free_since = nxt, time.monotonic()
-                    continue
-            if time.monotonic() > deadline:
-                raise Refusal("timeout", f"owner {owner!r} waited round_timeout "
-                                         f"({self.cfg.round_timeout}s) for its turn")
-            self.cond.wait(0.05)
-
     # -- the round barrier -------------------------------------------------------------
     def _round_end(self, owner: str, fields: dict, tensors: dict) -> tuple[str, dict, dict]:
+        if self.cfg.averager and tensors:
+            raise Refusal("parts", f"study {self.cfg.name!r} averages its parts at averager "
+                                   f"{self.cfg.averager!r}: the hub takes none")
         with self.cond:
             self._check_round(owner, fields)
             if owner in self.pending:
@@ -308,11 +255,12 @@ class StudyHub:
             if r not in self.answer:
                 raise Refusal("quorum", f"round {r} of study {self.cfg.name!r} did not reach "
                                         f"its quorum ({self.cfg.quorum})")
-            digest, avg = self.answer[r]
+            digest, avg, taking = self.answer[r]
             if avg is None:
                 raise Refusal("quorum", f"round {r} of study {self.cfg.name!r} did not reach "
                                         f"its quorum ({self.cfg.quorum})")
-            return "Average", {"round": r, "digest": digest}, avg
+            said = {"owners": taking} if self.cfg.averager else {}  # what the averager waits for
+            return "Average", {"round": r, "digest": digest, **said}, avg
 
     def _close_round(self, late: list[str]) -> None:
         r = self.round
@@ -321,13 +269,12 @@ class StudyHub:
             if got is not None:
                 self.ledger.append({"round": r, "owner": o, "step": got[0], "kind": "discarded",
                                     "why": "round_timeout"})
-            self.ledger.append({"round": r, "owner": o, "kind": "excluded"})
-            self.gone.add(o)
-            log.warning("study %s: owner %r left out of round %d (not at the barrier within "
-                        "round_timeout)", self.cfg.name, o, r)
+            self._exclude(o, f"not at the barrier within round_timeout "
+                             f"({self.cfg.round_timeout}s) of the first owner there; the "
+                             "round was averaged without it")
         taking = sorted(o for o in self.arrived if self.rows[o] > 0)
         if len(taking) < self.cfg.quorum:
-            self.answer[r] = ("", None)  # type: ignore[assignment]
+            self.answer[r] = ("", None, [])  # type: ignore[assignment]
             return
         weights = {o: self.rows[o] for o in taking}
         avg = average({o: self.arrived[o] for o in taking}, weights) if self.arrived[
@@ -341,7 +288,7 @@ class StudyHub:
         self.averaged = avg  # kept in the store with the barrier (what export reads)
         self.ledger.append({"round": r, "kind": "average", "owners": taking,
                             "rows": weights, "digest": digest})
-        self.answer[r] = (digest, avg)
+        self.answer[r] = (digest, avg, taking)
         self.round = r + 1
         answer = self.answer
         self._new_round()

@@ -39,6 +39,17 @@ class HubRefused(Refused):
         self.code = code
 
 
+class Excluded(HubRefused):
+    """The hub left this owner out of ``round`` (too slow or lost: past ``round_timeout``
+    at the barrier, or a step in flight past ``turn_timeout``); nothing it sent since
+    was applied. It may attach again at ``rejoin`` (``round + 1``) or later, from a
+    checkpoint of that round's barrier."""
+
+    def __init__(self, message: str, round: int, rejoin: int):
+        super().__init__("excluded", message)
+        self.round, self.rejoin = round, rejoin
+
+
 class Audit:
     """What the hub received, one JSON line per message: owner, kind, fields, each
     tensor's name, dtype and shape, and the message's bytes (the wire audit reads it)."""
@@ -92,7 +103,7 @@ def serve(hubs: Mapping[str, Any], listen: str, identity: str | Path, ca: str | 
             out = encode("Refused", {"code": "frame", "message": str(e)})
         except Refusal as e:
             entry["refused"] = str(e)
-            out = encode("Refused", {"code": e.code, "message": str(e)})
+            out = encode("Refused", {**e.fields, "code": e.code, "message": str(e)})
         except Exception as e:  # the hub's own failure: one line, no traceback to the owner
             log.exception("study hub: a %s from %r failed", entry.get("kind"), owner)
             entry["refused"] = type(e).__name__
@@ -118,7 +129,7 @@ class HubLink:
     answer; a refusal raises ``HubRefused``, a lost hub ``WorkerError`` naming it."""
 
     def __init__(self, address: str, identity: str | Path, ca: str | Path,
-                 hub_name: str = "hub", timeout: float = 30.0):
+                 hub_name: str = "hub", timeout: float = 30.0, role: str = "study hub"):
         import grpc
 
         key, cert = load_identity(identity)
@@ -126,6 +137,7 @@ class HubLink:
                                              .read_bytes(), private_key=key,
                                              certificate_chain=cert)
         self.address, self.hub_name, self.timeout = address, hub_name, timeout
+        self.role = role
         self.channel = grpc.secure_channel(
             address, creds, options=[*_OPTIONS, ("grpc.ssl_target_name_override", hub_name)])
         self.stub = self.channel.unary_unary(METHOD)
@@ -141,14 +153,17 @@ class HubLink:
             answer = self.stub(data, timeout=timeout or self.timeout)
         except grpc.RpcError as e:
             raise WorkerError(
-                f"study hub {self.hub_name!r} at {self.address} lost or unreachable during "
+                f"{self.role} {self.hub_name!r} at {self.address} lost or unreachable during "
                 f"{kind} ({e.code().name}: {e.details()}). Resume from the last round's "
                 "checkpoint when the hub is back") from None
         self.received += len(answer)
         kind, fields, tensors = decode(answer, frozenset({"Attached", "Output", "Grad",
                                                           "Average", "Refused", "Done"}))
+        if kind == "Refused" and fields.get("code") == "excluded":
+            raise Excluded(f"{self.role} {self.hub_name!r} refused: {fields.get('message')}",
+                           int(fields.get("round", -1)), int(fields.get("rejoin", -1)))
         if kind == "Refused":
-            raise HubRefused(fields.get("code", "?"), f"study hub {self.hub_name!r} refused: "
+            raise HubRefused(fields.get("code", "?"), f"{self.role} {self.hub_name!r} refused: "
                                                       f"{fields.get('message')}")
         return kind, fields, tensors
 

@@ -39,16 +39,24 @@ class Study:
         ca: the study's CA certificate (the hub's is checked against it).
         hub_name: the name in the hub's certificate.
         timeout: seconds a call waits for the hub before the fit stops, naming it.
+        averager: ``host:port`` of the study's averager, for a study that names one
+            (``[fedavg] averager = NAME``, the common name of its certificate): the
+            parts go there at each barrier, never to the hub.
     """
 
     def __init__(self, config: Any, hub: str, owner: str, identity: str | Path,
-                 ca: str | Path, hub_name: str = "hub", timeout: float = 30.0):
+                 ca: str | Path, hub_name: str = "hub", timeout: float = 30.0,
+                 averager: str | None = None):
         self.config = config if isinstance(config, StudyConfig) else StudyConfig.load(config)
         if owner not in self.config.owners:
             raise Refused(f"owner {owner!r} is not one of study {self.config.name!r}'s "
                           f"owners {list(self.config.owners)}")
         self.hub, self.owner, self.identity, self.ca = hub, owner, identity, ca
-        self.hub_name, self.timeout = hub_name, timeout
+        self.hub_name, self.timeout, self.averager = hub_name, timeout, averager
+        if self.config.averager and not averager:
+            raise Refused(f"study {self.config.name!r} averages its parts at averager "
+                          f"{self.config.averager!r}: give its address, Study(..., "
+                          "averager='host:port')")
 
     @property
     def name(self) -> str:
@@ -65,13 +73,23 @@ class Study:
 
         return HubLink(self.hub, self.identity, self.ca, self.hub_name, self.timeout)
 
+    def averager_link(self) -> Any:
+        """A new connection to the study's averager (None when the hub averages)."""
+        from ._link import HubLink
+
+        if not self.config.averager:
+            return None
+        return HubLink(self.averager, self.identity, self.ca, self.config.averager,
+                       self.timeout, role="study averager")
+
     def __repr__(self) -> str:
         return f"Study({self.name!r}, hub={self.hub!r}, owner={self.owner!r})"
 
 
 def shared_place(path: str, config: Any, hub: str, owner: str, identity: str | Path,
-                 ca: str | Path, hub_name: str = "hub", timeout: float = 30.0
-                 ) -> dict[str, Shared]:
+                 ca: str | Path, hub_name: str = "hub", timeout: float = 30.0,
+                 averager: str | None = None) -> dict[str, Shared]:
     """``{path: Study(...).shared}``: what ``place=`` takes, for a config system that
     cannot build the study first (``configs/somatize/splitfed.yaml``)."""
-    return {path: Study(config, hub, owner, identity, ca, hub_name, timeout).shared}
+    return {path: Study(config, hub, owner, identity, ca, hub_name, timeout,
+                        averager).shared}

@@ -88,9 +88,12 @@ class StudyRoute(Route):
                               "shared module: it is the hub's and never comes here")
             model.get_submodule(part)  # AttributeError names a part that is not there
         self.link = study.link()
+        self.averager = study.averager_link()  # None: the hub averages the parts
+        self.rows = 0  # this round's, as the hub counts them (what the averager weighs)
         self.round = self.step = 0
         self.average_digest: str | None = None
-        self.attached = False
+        self.attached = self.checked = False
+        self.precision = str(trainer.precision)
         self.pending: int | None = None
         self.callback = _Rounds(self)
         self.closed = False
@@ -131,6 +134,11 @@ class StudyRoute(Route):
             raise Refused(f"module {self.path!r} is shared through study {self.cfg.name!r}, "
                           "whose link carries one floating tensor in and one out")
         if not (torch.is_grad_enabled() and self.model.training):
+            if not self.checked:  # validation before training starts, or a test after
+                self.link.call("Attach", self._fields(
+                    digest=self.cfg.digest(), precision=self.precision,
+                    schedule=self.cfg.schedule, round=self.round, evaluate=True))
+                self.checked = True
             _, _, t = self.link.call("Forward", self._fields(train=False), {"x": x})
             return t["y"]
         if not x.requires_grad:  # the cut's backward must run for the hub's step to end
@@ -149,6 +157,7 @@ class StudyRoute(Route):
                                                          train=True), {"x": x},
                                  timeout=self.study.timeout + self.cfg.round_timeout)
         self.pending = self.step
+        self.pending_rows = int(x.shape[0]) if x.dim() else 1
         return t["y"]
 
     def backward(self, g: torch.Tensor) -> torch.Tensor:
@@ -156,6 +165,7 @@ class StudyRoute(Route):
                                  {"g": g.contiguous()})
         self.pending = None
         self.step += 1
+        self.rows += self.pending_rows
         return t["gx"]
 
     # -- rounds -------------------------------------------------------------------------
@@ -164,21 +174,26 @@ class StudyRoute(Route):
             digest=self.cfg.digest(), precision=precision, schedule=self.cfg.schedule,
             round=round))
         self.round, self.step, self.attached = round, step, True
+        self.checked = True
 
     def round_end(self) -> None:
         parts = {}
         for part in self.cfg.parts:
             parts.update({f"{part}.{k}": v for k, v in
                           self.model.get_submodule(part).state_dict().items()})
-        _, fields, avg = self.link.call(
-            "RoundEnd", self._fields(round=self.round), parts,
-            timeout=self.study.timeout + self.cfg.round_timeout)
+        wait = self.study.timeout + self.cfg.round_timeout
+        _, fields, avg = self.link.call("RoundEnd", self._fields(round=self.round),
+                                        {} if self.averager else parts, timeout=wait)
+        if self.averager is not None:  # the parts go to the study's averager, never the hub
+            _, fields, avg = self.averager.call("RoundEnd", self._fields(
+                round=self.round, rows=self.rows, owners=fields["owners"],
+                digest=self.cfg.digest()), parts, timeout=wait)
         for part in self.cfg.parts:
             pre = part + "."
             self.model.get_submodule(part).load_state_dict(
                 {k[len(pre):]: v for k, v in avg.items() if k.startswith(pre)})
         self.average_digest = fields.get("digest")
-        self.round, self.step = self.round + 1, 0
+        self.round, self.step, self.rows = self.round + 1, 0, 0
 
     # -- what the strategy asks ----------------------------------------------------------
     @override
@@ -207,3 +222,5 @@ class StudyRoute(Route):
         self.closed = True
         self.module.__dict__.pop("forward", None)
         self.link.close()
+        if self.averager is not None:
+            self.averager.close()
