@@ -38,12 +38,20 @@ from ..._reads import (
     value_namer,
     yours,
 )
-from .._private import ROUTED_CALL, own_tensors, versions
+from .._private import (
+    FORWARD_HOOKS,
+    ROUTED_CALL,
+    forward_hooks,
+    global_forward_hooks,
+    own_tensors,
+    versions,
+)
 
 # the device types whose autocast state is part of every key
 _AUTOCAST = ("cpu", "cuda", "xpu", "mps")
-# what torch keeps on every module for itself (hooks, registries, the train flag)
-_BOOKKEEPING = frozenset(vars(torch.nn.Module())) | {"training"}
+# what torch keeps on every module for itself (registries, hooks: named apart, below); the
+# train flag is a setting (a child's dropout or BatchNorm put back in train mode)
+_BOOKKEEPING = frozenset(vars(torch.nn.Module())) - {"training"}
 _MAX_DEPTH = 8
 
 
@@ -55,6 +63,20 @@ def autocast_state() -> str | None:
 
 
 call_state(autocast_state)
+
+def global_hooks() -> str | None:
+    """The hooks registered for every module (``register_module_forward_hook``): they run
+    inside a cached forward too, so they are part of every key (None when there are none)."""
+    hooks = global_forward_hooks()
+    if not hooks:
+        return None
+    try:
+        return "hooks " + _named(hooks, "global hooks", [], 0)
+    except Unnamed:
+        return "hooks " + ",".join(f"{type(h).__qualname__}@{id(h)}" for h in hooks)
+
+
+call_state(global_hooks)
 
 # the process-wide settings that change what a kernel computes (or which kernel runs),
 # beside autocast in every key: matmul precision, deterministic algorithms, torch.backends'
@@ -128,24 +150,30 @@ def _torch_value(v: Any) -> str | None:
 value_namer(_torch_value)
 
 
-def settings_of(module: torch.nn.Module, where: str,
-                salt: str | None = None) -> tuple[list[str], list[tuple[str, torch.Tensor]]]:
+def settings_of(module: torch.nn.Module, where: str, salt: str | None = None,
+                hooks: bool = False) -> tuple[list[str], list[tuple[str, torch.Tensor]]]:
     """The named settings of ``module`` and every module inside it, and the tensors held
     as plain attributes (state that no ``state_dict`` shows), by dotted name.
 
     Raises ``Refused`` for a setting that cannot be named, naming ``where`` and the
     attribute; with a ``salt`` such an attribute is left out (the salt names it).
+    ``hooks``: the module's own hooks count too (a graph node's module, called inside the
+    node's forward); a child's always do.
     """
     pieces: list[str] = []
     tensors: list[tuple[str, torch.Tensor]] = []
+    tree = {id(m) for m in module.modules()}
     for prefix, m in module.named_modules(remove_duplicate=False):
         pieces.append(f"{prefix}:class={class_name(type(m))}")
-        for k, v in vars(m).items():
-            if k in _BOOKKEEPING or k.startswith("_soma") or _ours(k, v):
-                continue
+        attrs = [(k, v) for k, v in vars(m).items()
+                 if not (k in _BOOKKEEPING or k.startswith("_soma") or _ours(k, v))]
+        if prefix or hooks:  # a child's hooks run inside the cached forward
+            attrs += [(k, [_hook(h) for h in d.values()])
+                      for k, d in zip(FORWARD_HOOKS, forward_hooks(m), strict=True) if d]
+        for k, v in attrs:
             name = f"{prefix}.{k}" if prefix else k
             try:
-                pieces.append(f"{name}={_named(v, name, tensors, 0)}")
+                pieces.append(f"{name}={_named(v, name, tensors, 0, tree)}")
             except Unnamed as e:
                 if salt is not None:
                     continue  # the caller's salt names what this attribute changes
@@ -160,6 +188,15 @@ def settings_of(module: torch.nn.Module, where: str,
     return pieces, tensors
 
 
+def _hook(h: Any) -> Any:
+    # torch's own hook objects (weight_norm's) compute from the module's state: their class
+    # names them; a function (yours) is named by its code, closure and all
+    if not isinstance(h, (types.FunctionType, types.MethodType)) and \
+            type(h).__module__.startswith("torch."):
+        return f"hook:{type(h).__module__}.{type(h).__qualname__}"
+    return h
+
+
 def _ours(k: str, v: Any) -> bool:
     # a forward installed on the instance (the cache's), or where its calls are routed (a
     # placed module's, or compile()'s): code, whose fingerprint is kept beside the value,
@@ -167,8 +204,9 @@ def _ours(k: str, v: Any) -> bool:
     return k in ("forward", ROUTED_CALL) and callable(v)
 
 
-def _named(v: Any, name: str, tensors: list, depth: int) -> str:
-    """A setting as text that differs whenever the value does."""
+def _named(v: Any, name: str, tensors: list, depth: int, tree: set | None = None) -> str:
+    """A setting as text that differs whenever the value does (``tree``: the ids of the
+    modules whose state is in the key; a module outside it cannot be named)."""
     if depth > _MAX_DEPTH:
         raise Unnamed(name, "structure nested too deep")
     if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
@@ -181,15 +219,21 @@ def _named(v: Any, name: str, tensors: list, depth: int) -> str:
         tensors.append((name, v))  # by content, with the state (deduplicated there)
         return f"tensor:{name}"
     if isinstance(v, weakref.ref):
-        return _named(v(), name, tensors, depth + 1)  # an RNN's _flat_weight_refs
+        return _named(v(), name, tensors, depth + 1, tree)  # an RNN's _flat_weight_refs
     if isinstance(v, torch.nn.Module):
+        if tree is not None and id(v) not in tree:  # in a list, bound: its state is not ours
+            raise Unnamed(name, f"{type(v).__name__} outside the module (its weights are "
+                          "not in the key)")
         return "module"  # walked as a module of its own
+    if isinstance(v, types.MethodType):  # bound: what it is bound to is read too
+        return (f"method:{_named(v.__self__, f'{name}.__self__', tensors, depth + 1, tree)}"
+                f":{_named(v.__func__, name, tensors, depth + 1, tree)}")
     if isinstance(v, types.FunctionType):  # an activation held as a function, a lambda:
         # its code, constants, defaults and closure cells (by value, tensors as state)
         if not yours(v.__code__):  # an installed package's (F.relu): its version names it
             return f"code:{v.__module__}.{v.__qualname__}:{code_digest(v.__code__)}"
-        return function_text(v, name, depth, lambda x, w, d: _named(x, w, tensors, d))
-    again = lambda x, w, d: _named(x, w, tensors, d)  # noqa: E731
+        return function_text(v, name, depth, lambda x, w, d: _named(x, w, tensors, d, tree))
+    again = lambda x, w, d: _named(x, w, tensors, d, tree)  # noqa: E731
     text = structure_text(v, name, depth, again)
     return text if text is not None else name_value(v, name, depth, again)
 
@@ -199,7 +243,8 @@ class Watch:
     since: a tensor written in place or replaced, a module swapped, an attribute set (by
     identity: an equal value set again only costs a new digest)."""
 
-    def __init__(self, module: torch.nn.Module, state: list[tuple[str, torch.Tensor]]):
+    def __init__(self, module: torch.nn.Module, state: list[tuple[str, torch.Tensor]],
+                 hooks: bool = False):
         self.tensors = tuple(t for _, t in state)
         self.versions = versions(self.tensors)
         self.seen = _seen(module)
@@ -208,11 +253,30 @@ class Watch:
         # reads, while every attribute is the object it was: _same says so first)
         self.maybe = [(m, k, v) for m in module.modules() for k, v in m.__dict__.items()
                       if k not in _BOOKKEEPING and not _ours(k, v) and _may_mutate(v)]
+        self.hooks = [(d, tuple(d.values())) for m in module.modules()
+                      if hooks or m is not module
+                      for d in forward_hooks(m)]  # a child's, added or removed
+        self.code = _code_now(module)  # a method replaced on its class: fingerprint again
 
     def changed(self, module: torch.nn.Module) -> bool:
         """Whether the module may compute differently than when this watch was set."""
         return versions(self.tensors) != self.versions or not _same_now(
-            module, self.seen) or _inner_of(self.maybe) != self.inner
+            module, self.seen) or _inner_of(self.maybe) != self.inner or not all(
+            _identical(tuple(d.values()), then) for d, then in self.hooks) or not all(
+            len(vars(c)) == n and all(vars(c).get(k) is f for k, f in fs)
+            for c, n, fs in self.code)
+
+
+def _code_now(module: torch.nn.Module) -> list:
+    # the user's classes in the tree, with their functions by identity
+    out, seen = [], set()
+    for c in (k for m in module.modules() for k in type(m).__mro__):
+        if c in seen or c is object or c.__module__.startswith(("torch.", "somatize.")):
+            continue
+        seen.add(c)
+        out.append((c, len(vars(c)), [(k, f) for k, f in vars(c).items()
+                                      if isinstance(f, types.FunctionType)]))
+    return out
 
 
 def _mutable(v: Any) -> bool:

@@ -119,7 +119,7 @@ class PerItem:
         self.row: tuple[int, ...] | None = None  # the trailing shape of its output rows
         self.device: torch.device | None = None  # where its output lands
         self._items: Items | None = None
-        self._code_seen: set[str] = set()
+        self._code_seen: set[tuple] = set()
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_items": None, "_code_seen": set()}
@@ -130,8 +130,9 @@ class PerItem:
         if self._items is None:
             return None
         space = self._items.space(module_key(self.kind, state, self.salt), meta)
-        if space.key not in self._code_seen:  # once per module key in this process
-            self._code_seen.add(space.key)
+        seen = (space.key, meta.get("fingerprint"))
+        if seen not in self._code_seen:  # once per module key and code in this process
+            self._code_seen.add(seen)
             _check_code(self.name, self.kind, space.written_meta().get("fingerprint"),
                         meta.get("fingerprint"))
         return space
