@@ -206,6 +206,7 @@ def _references(classes: tuple[type, ...]) -> list:
     seen_code: set[int] = set()
     todo: list[tuple[str, types.FunctionType]] = functions_of(classes, _LIBRARY_MODULES)
     written: set[tuple[int, str]] = set()  # (id of its globals, name)
+    set_attrs: set[str] = set()  # attributes the code sets (Encoder.runs += 1: a counter)
     while todo:
         who, fn = todo.pop()
         if id(fn.__code__) in seen_code or not yours(fn.__code__) or (
@@ -213,6 +214,7 @@ def _references(classes: tuple[type, ...]) -> list:
             continue
         seen_code.add(id(fn.__code__))
         written |= {(id(fn.__globals__), n) for n in globals_written(fn.__code__)}
+        set_attrs |= _attrs_set(fn.__code__)
         for name, chain in _globals_loaded(fn.__code__):
             refs.append((who, fn.__globals__, name, chain))
             v = fn.__globals__.get(name)
@@ -223,20 +225,31 @@ def _references(classes: tuple[type, ...]) -> list:
             if isinstance(v, types.FunctionType):
                 todo.append((f"{v.__qualname__} (called by {who})", v))
     # a global the code writes into is its bookkeeping (a counter, a log), not an input
-    return [r for r in refs if (id(r[1]), r[2]) not in written] + _class_data(classes)
+    return [r for r in refs if (id(r[1]), r[2]) not in written] + _class_data(classes,
+                                                                                set_attrs)
 
 
-def _class_data(classes: tuple[type, ...]) -> list:
+def _attrs_set(code: types.CodeType) -> set[str]:
+    out = {str(op.argval) for op in dis.get_instructions(code)
+           if op.opname in ("STORE_ATTR", "DELETE_ATTR")}
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out |= _attrs_set(c)
+    return out
+
+
+def _class_data(classes: tuple[type, ...], set_attrs: set[str]) -> list:
     """The data attributes of the user's classes in the tree (``GAIN = 1.0`` read as
     ``self.GAIN``), as references read again at every call, as globals are: a class
-    attribute set mid-run is a new key."""
+    attribute set mid-run is a new key. One the code itself sets (``set_attrs``: a
+    counter, ``Encoder.runs += 1``) is its bookkeeping, left out."""
     refs, seen = [], set()
     for klass in (k for c in classes for k in c.__mro__):
         if klass in seen or klass is object or klass.__module__.startswith(_LIBRARY_MODULES):
             continue
         seen.add(klass)
         for name, v in vars(klass).items():
-            if name.startswith("__") or isinstance(v, _CODE):
+            if name.startswith("__") or isinstance(v, _CODE) or name in set_attrs:
                 continue
             refs.append((f"class {klass.__qualname__}", vars(klass), name, ()))
     return refs

@@ -201,3 +201,23 @@ def test_a_node_changed_after_freeze_is_computed_anew(tmp_path, mapped, change):
         assert torch.equal(got, want)
     finally:
         Enc.SHIFT = 0.0
+
+
+class MakesOnes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.lin(x) + torch.ones(4)  # of the default dtype: what the sum promotes to
+
+
+def test_the_default_dtype_changed_is_a_miss(tmp_path):
+    m, plain = cached(MakesOnes(), tmp_path)
+    check_fresh(m, plain)
+    torch.set_default_dtype(torch.float64)
+    try:
+        got, want = m(X), plain(X)
+        assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
+    finally:
+        torch.set_default_dtype(torch.float32)

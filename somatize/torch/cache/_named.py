@@ -99,6 +99,8 @@ def _math_readers() -> list:
         names = [n for n in known if n != "threads" and (cuda or n in _CPU)]
         names += [n for n in _CPU if n not in known]
         _readers = [(n, _reader(n) if n.startswith("backends.") else known[n]) for n in names]
+        # what a tensor made in the forward (torch.ones(4)) is, and so what it promotes to
+        _readers.append(("default_dtype", torch.get_default_dtype))
     return _readers
 
 
