@@ -65,6 +65,13 @@ def yours(code: types.CodeType) -> bool:
     return not os.path.realpath(f).startswith(_LIBRARY)
 
 
+def module_is_yours(mod: types.ModuleType) -> bool:
+    """Whether a module object is the user's (a config module), not a package's."""
+    f = getattr(mod, "__file__", None)
+    return bool(f) and not mod.__name__.startswith(_LIBRARY_MODULES) and not (
+        os.path.realpath(f).startswith(_LIBRARY))
+
+
 def code_digest(code: types.CodeType) -> str:
     """A digest of a code object: bytecode, constants (nested code too), names."""
     h = blake3(code.co_code)

@@ -4,6 +4,8 @@ hooks and train flag, a graph node's own tensors. Each compares the cached answe
 change against the plain forward computed now (``torch.equal``), or expects a refusal
 naming the cause, or a warning naming the method that changed."""
 
+import collections
+
 import pytest
 import reads_config
 import torch
@@ -221,3 +223,45 @@ def test_the_default_dtype_changed_is_a_miss(tmp_path):
         assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+class Holds(nn.Module):
+    """Holds ``value`` as ``self.v``; ``read(self.v)`` is what it multiplies by."""
+
+    def __init__(self, value, read):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.v, self.read = value, read
+
+    def forward(self, x):
+        return self.lin(x) * self.read(self.v)
+
+
+def _set_gain(d):
+    d["g"] = 3.0
+
+
+@pytest.mark.parametrize("per_item", [False, True])
+@pytest.mark.parametrize("value, read, change", [
+    (collections.OrderedDict(g=1.0), lambda v: v["g"], _set_gain),
+    (collections.defaultdict(float, g=1.0), lambda v: v["g"], _set_gain),
+    ({1, 2}, lambda v: float(len(v)), lambda v: v.add(3)),
+    ((1.0, [2.0]), lambda v: v[1][0], lambda v: v[1].append(0) or v[1].reverse()),
+    (reads_config, lambda v: v.GAIN, lambda v: setattr(v, "GAIN", 4.0)),
+], ids=["OrderedDict", "defaultdict", "set", "list in a tuple", "a config module"])
+def test_a_container_or_module_attribute_changed_in_place_is_a_miss(tmp_path, per_item, value,
+                                                                   read, change):
+    m, plain = cached(Holds(value, read), tmp_path, per_item)
+    check_fresh(m, plain)
+    change(value)
+    try:
+        check_fresh(m, plain)
+    finally:
+        reads_config.GAIN = 1.0
+
+
+def test_a_weight_whose_data_is_swapped_is_a_miss(tmp_path):
+    m, plain = cached(HoldsShift(), tmp_path)
+    check_fresh(m, plain)
+    m.lin.weight.data = m.lin.weight.data * 2  # the same Parameter, the same version
+    check_fresh(m, plain)

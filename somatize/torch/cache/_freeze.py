@@ -18,7 +18,8 @@ from .._codec import to_blob
 from .._private import versions
 from .._state import modules_of, state_of
 from ._coupled import refuse_coupled_node
-from ._named import Watch, settings_of
+from ._named import settings_of
+from ._watch import Watch
 
 
 def named_state(node: Any, where: str = "", salt: str | None = None

@@ -12,12 +12,12 @@ parameter or buffer is state: its content is digested with the rest. What cannot
 (an arbitrary object) is refused, naming the attribute and what to do, unless ``salt``
 says the caller names it. The autocast state and the math settings of the call
 (``math_state``) are registered here as part of every key (``somatize._keys.call_state``),
-on both routes. ``Watch`` tells at each call whether any of it may have changed.
+on both routes. ``Watch`` (``_watch``) tells at each call whether any of it may have
+changed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import types
@@ -33,6 +33,7 @@ from ..._reads import (
     class_name,
     code_digest,
     function_text,
+    module_is_yours,
     name_value,
     structure_text,
     value_namer,
@@ -43,8 +44,6 @@ from .._private import (
     ROUTED_CALL,
     forward_hooks,
     global_forward_hooks,
-    own_tensors,
-    versions,
 )
 
 # the device types whose autocast state is part of every key
@@ -227,6 +226,11 @@ def _named(v: Any, name: str, tensors: list, depth: int, tree: set | None = None
             raise Unnamed(name, f"{type(v).__name__} outside the module (its weights are "
                           "not in the key)")
         return "module"  # walked as a module of its own
+    if isinstance(v, types.ModuleType) and module_is_yours(v):  # self.cfg = config
+        return "module:" + ",".join(  # its data, by value (read again at every call)
+            f"{k}={_named(x, f'{name}.{k}', tensors, depth + 1, tree)}"
+            for k, x in sorted(vars(v).items()) if not k.startswith("_") and not isinstance(
+                x, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)))
     if isinstance(v, types.MethodType):  # bound: what it is bound to is read too
         return (f"method:{_named(v.__self__, f'{name}.__self__', tensors, depth + 1, tree)}"
                 f":{_named(v.__func__, name, tensors, depth + 1, tree)}")
@@ -238,133 +242,3 @@ def _named(v: Any, name: str, tensors: list, depth: int, tree: set | None = None
     again = lambda x, w, d: _named(x, w, tensors, d, tree)  # noqa: E731
     text = structure_text(v, name, depth, again)
     return text if text is not None else name_value(v, name, depth, again)
-
-
-class Watch:
-    """Tells cheaply, at every call, whether what ``named_state`` read may have changed
-    since: a tensor written in place or replaced, a module swapped, an attribute set (by
-    identity: an equal value set again only costs a new digest)."""
-
-    def __init__(self, module: torch.nn.Module, state: list[tuple[str, torch.Tensor]],
-                 hooks: bool = False):
-        self.tensors = tuple(t for _, t in state)
-        self.versions = versions(self.tensors)
-        self.seen = _seen(module)
-        self.inner = _inner(module)  # what mutable attributes hold, by value
-        # the attributes whose value can change under its identity (the only ones _inner
-        # reads, while every attribute is the object it was: _same says so first)
-        self.maybe = [(m, k, v) for m in module.modules() for k, v in m.__dict__.items()
-                      if k not in _BOOKKEEPING and not _ours(k, v) and _may_mutate(v)]
-        self.hooks = [(d, tuple(d.values())) for m in module.modules()
-                      if hooks or m is not module
-                      for d in forward_hooks(m)]  # a child's, added or removed
-        self.code = _code_now(module)  # a method replaced on its class: fingerprint again
-
-    def changed(self, module: torch.nn.Module) -> bool:
-        """Whether the module may compute differently than when this watch was set."""
-        return versions(self.tensors) != self.versions or not _same_now(
-            module, self.seen) or _inner_of(self.maybe) != self.inner or not all(
-            _identical(tuple(d.values()), then) for d, then in self.hooks) or not all(
-            len(vars(c)) == n and all(vars(c).get(k) is f for k, f in fs)
-            for c, n, fs in self.code)
-
-
-def _code_now(module: torch.nn.Module) -> list:
-    # the user's classes in the tree, with their functions by identity
-    out, seen = [], set()
-    for c in (k for m in module.modules() for k in type(m).__mro__):
-        if c in seen or c is object or c.__module__.startswith(("torch.", "somatize.")):
-            continue
-        seen.add(c)
-        out.append((c, len(vars(c)), [(k, f) for k, f in vars(c).items()
-                                      if isinstance(f, types.FunctionType)]))
-    return out
-
-
-def _mutable(v: Any) -> bool:
-    # what can change under an unchanged identity: its text is compared at every call
-    return isinstance(v, (types.FunctionType, types.MethodType)) or (
-        dataclasses.is_dataclass(v) and not isinstance(v, type)) or (
-        type(v) in (dict, list, set) and any(not isinstance(x, (int, float, str, bool))
-                                             for x in (*v, *(v.values() if type(v) is dict
-                                                             else ()))))
-
-
-def _may_mutate(v: Any) -> bool:
-    # what _mutable may say yes to (it looks at a container's content): by type alone
-    return isinstance(v, (types.FunctionType, types.MethodType)) or (
-        dataclasses.is_dataclass(v) and not isinstance(v, type)) or type(v) in (dict, list, set)
-
-
-def _inner(module: torch.nn.Module) -> list:
-    return _inner_of([(m, k, v) for m in module.modules() for k, v in m.__dict__.items()
-                      if k not in _BOOKKEEPING and not _ours(k, v)])
-
-
-def _inner_of(attrs: list) -> list:
-    out = []
-    for m, k, v in attrs:
-        if _mutable(v):
-            try:
-                out.append((id(m), k, _named(v, k, [], 0)))
-            except Unnamed:
-                out.append((id(m), k, None))
-    return out
-
-
-def _seen(module: torch.nn.Module) -> list:
-    # one pass: each module, its tensors by identity, and its own attributes with a
-    # shallow copy of the containers among them
-    return [(m, *own_tensors(m),
-             [(k, v, (*v, *v.values()) if type(v) is dict else tuple(v)
-               if type(v) is list else None)
-              for k, v in m.__dict__.items() if k not in _BOOKKEEPING])
-            for m in module.modules()]
-
-
-def _same_now(module: torch.nn.Module, then: list) -> bool:
-    """``_same(_seen(module), then)``, without making the list."""
-    n, i = len(then), 0
-    for m in module.modules():
-        if i == n:
-            return False
-        m0, ps0, bs0, items0 = then[i]
-        i += 1
-        if m is not m0:
-            return False
-        ps, bs = own_tensors(m)
-        if not _identical(ps, ps0) or not _identical(bs, bs0):
-            return False
-        j, left = 0, len(items0)
-        for k, v in m.__dict__.items():
-            if k in _BOOKKEEPING:
-                continue
-            if j == left:
-                return False
-            k0, v0, inner0 = items0[j]
-            j += 1
-            if k != k0 or v is not v0:
-                return False
-            if inner0 is not None and not _identical(
-                    (*v, *v.values()) if type(v) is dict else tuple(v), inner0):
-                return False
-        if j != left:
-            return False
-    return i == n
-
-
-def _same(now: list, then: list) -> bool:
-    if len(now) != len(then):
-        return False
-    for (m, ps, bs, items), (m0, ps0, bs0, items0) in zip(now, then, strict=True):
-        if m is not m0 or len(items) != len(items0) or not _identical(ps, ps0) or not (
-                _identical(bs, bs0)):
-            return False
-        for (k, v, inner), (k0, v0, inner0) in zip(items, items0, strict=True):
-            if k != k0 or v is not v0 or (inner is not None and not _identical(inner, inner0)):
-                return False
-    return True
-
-
-def _identical(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))

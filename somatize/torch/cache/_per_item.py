@@ -174,7 +174,7 @@ class PerItem:
         self.hits += nhit
         self.misses += n - nhit
         out = None
-        layout = (x.dtype, tuple(x.shape[1:]))  # what its rows' keys were derived under
+        layout = (space.key, x.dtype, tuple(x.shape[1:]))  # what its rows' keys are derived under
         if todo:
             sub = x if len(todo) == n else x[torch.tensor(todo, device=x.device)]
             out = self._checked(self._chunked(run, sub, x, todo), len(todo), rows if hit else None,
