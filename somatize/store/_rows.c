@@ -2,7 +2,11 @@
  * compiles and loads (ctypes) to name a batch's items in one call.
  *
  *     somatize_rows(data, n, rb, key, out);  // out[16 i ..]: BLAKE3-keyed(key, row i)[:16]
+ *     somatize_gather(dst, src, src_rows, rows, n, rb);  // dst row i = src row rows[i]
  *
+ * A large batch is split in two, the second half on a thread started for it: the head
+ * does not run while a cached forward answers, so the second core is free then
+ * (somatize_set_threads(1) keeps one).
  * Written from the BLAKE3 specification (chunks of 1024 bytes, blocks of 64, 7 rounds,
  * a left subtree of the largest power of two of chunks below the whole). Every row of a
  * batch has the same length, so LANES rows go through the same steps side by side, one row
@@ -12,8 +16,10 @@
  * _rows.py checks what it computes against the blake3 package before using it.
  * Little-endian hosts (the check says).
  */
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -175,15 +181,44 @@ static void subtree(v32 out[8], const uint8_t *const rows[LANES], size_t rb, uin
     parent(out, l, r, key, KEYED | (root ? ROOT : 0));
 }
 
-/* out[16 * i ...]: the first 16 bytes of BLAKE3-keyed(key, row i), rows of rb bytes */
-void somatize_rows(const uint8_t *data, uint64_t n, uint64_t rb, const uint8_t key32[32],
-                   uint8_t *out) {
+/* Work split in two: fn(args, 0, split) here, fn(args, split, n) on a thread of its own */
+typedef void (*part_fn)(const void *args, uint64_t from, uint64_t to);
+struct half { part_fn fn; const void *args; uint64_t from, to; };
+static int threads = 2; /* at most: 1 where the machine has one CPU, or when set */
+
+static void *run_half(void *p) {
+    struct half *h = p;
+    h->fn(h->args, h->from, h->to);
+    return NULL;
+}
+
+void somatize_set_threads(int n) {
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    threads = n > 1 && cpus > 1 ? 2 : 1;
+}
+
+static void in_two(part_fn fn, const void *args, uint64_t n, uint64_t split) {
+    pthread_t t;
+    struct half h = {fn, args, split, n};
+    if (threads < 2 || split == 0 || split >= n || pthread_create(&t, NULL, run_half, &h)) {
+        fn(args, 0, n); /* one thread: small work, one CPU, or none could be started */
+        return;
+    }
+    fn(args, 0, split);
+    pthread_join(t, NULL);
+}
+
+struct rows_job { const uint8_t *data; uint64_t n, rb; const v32 *key; uint8_t *out; };
+
+static void rows_part(const void *args, uint64_t from, uint64_t to) {
+    const struct rows_job *j = args;
+    const uint8_t *data = j->data;
+    uint64_t n = j->n, rb = j->rb;
+    uint8_t *out = j->out;
     v32 key[8];
-    uint32_t kw[8];
-    memcpy(kw, key32, 32);
-    for (int i = 0; i < 8; i++) key[i] = (v32){} + kw[i];
+    memcpy(key, j->key, sizeof key);
     uint64_t chunks = rb ? (rb + 1023) / 1024 : 1;
-    for (uint64_t i = 0; i < n; i += LANES) {
+    for (uint64_t i = from; i < to; i += LANES) {
         const uint8_t *rows[LANES];
         for (int l = 0; l < LANES; l++)
             rows[l] = data + rb * (i + l < n ? i + l : n - 1); /* short: the last row again */
@@ -195,6 +230,38 @@ void somatize_rows(const uint8_t *data, uint64_t n, uint64_t rb, const uint8_t k
                 memcpy(out + 16 * (i + l) + 4 * w, &v, 4);
             }
     }
+}
+
+/* out[16 * i ...]: the first 16 bytes of BLAKE3-keyed(key, row i), rows of rb bytes */
+void somatize_rows(const uint8_t *data, uint64_t n, uint64_t rb, const uint8_t key32[32],
+                   uint8_t *out) {
+    v32 key[8];
+    uint32_t kw[8];
+    memcpy(kw, key32, 32);
+    for (int i = 0; i < 8; i++) key[i] = (v32){} + kw[i];
+    struct rows_job j = {data, n, rb, key, out};
+    /* halves of whole groups of LANES rows; worth a thread from 64 KB on */
+    uint64_t split = n * rb >= (1u << 16) ? (n / LANES + 1) / 2 * LANES : 0;
+    in_two(rows_part, &j, n, split);
+}
+
+struct gather_job { uint8_t *dst; const uint8_t *src; const int64_t *rows; uint64_t rb; };
+
+static void gather_part(const void *args, uint64_t from, uint64_t to) {
+    const struct gather_job *j = args;
+    for (uint64_t i = from; i < to; i++)
+        memcpy(j->dst + j->rb * i, j->src + j->rb * (uint64_t)j->rows[i], j->rb);
+}
+
+/* dst row i <- src row rows[i] (rows of rb bytes); returns 0, or 1 (nothing copied) if a
+ * row is outside src's src_rows */
+int somatize_gather(uint8_t *dst, const uint8_t *src, uint64_t src_rows, const int64_t *rows,
+                    uint64_t n, uint64_t rb) {
+    for (uint64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || (uint64_t)rows[i] >= src_rows) return 1;
+    struct gather_job j = {dst, src, rows, rb};
+    in_two(gather_part, &j, n, n * rb >= (1u << 18) ? n / 2 : 0);
+    return 0;
 }
 
 /* A table of items served before: 16-byte keys (BLAKE3 output: their first 8 bytes are

@@ -37,7 +37,7 @@ from ..._node import kind_of
 from ..._say import say_once
 from ..._values import Opaque, bare
 from ...store._items import Items, Space
-from ...store._rows import native, row_keys
+from ...store._rows import gather_function, native, row_keys
 from .._codec import DTYPES as CODEC_DTYPES
 from .._codec import TORCH_DTYPES
 from .._private import first_device as _device_of
@@ -277,12 +277,30 @@ class PerItem:
 def _gather(result: torch.Tensor, rows: Any, dtype: torch.dtype) -> None:
     """Fill ``result`` with rows served from the arena (``rows.codes``: the row of each
     slot there) in one ``index_select``."""
+    if result.device.type == "cpu" and _native_gather(result, rows):
+        return
     at = torch.frombuffer(rows.codes, dtype=torch.int64)
     src = torch.frombuffer(rows.arena, dtype=torch.uint8).view(dtype).view(-1, *rows.row)
     if result.device.type == "cpu":
         torch.index_select(src, 0, at, out=result)
     else:
         result.copy_(src.index_select(0, at))
+
+
+def _native_gather(result: torch.Tensor, rows: Any) -> bool:
+    """``_gather`` in one native call (two threads for a large batch); False where it
+    cannot be had (then index_select does it)."""
+    fn = _gather_fn[0] if _gather_fn else _gather_fn.append(gather_function()) or _gather_fn[0]
+    rb = result.element_size() * (result.numel() // max(result.shape[0], 1))
+    if fn is None or rb == 0 or not result.is_contiguous():
+        return False
+    src = torch.frombuffer(rows.arena, dtype=torch.uint8)  # no copy: where its bytes are
+    at, n = rows.codes.buffer_info()
+    return n == result.shape[0] and fn(result.data_ptr(), src.data_ptr(), src.numel() // rb,
+                                       at, n, rb) == 0
+
+
+_gather_fn: list = []
 
 
 def _given(n: int) -> str:
