@@ -4,8 +4,8 @@
  *     somatize_rows(data, n, rb, key, out);  // out[16 i ..]: BLAKE3-keyed(key, row i)[:16]
  *     somatize_gather(dst, src, src_rows, rows, n, rb);  // dst row i = src row rows[i]
  *
- * A large batch is split in two, the second half on a thread started for it: the head
- * does not run while a cached forward answers, so the second core is free then
+ * A large batch is shared with a thread started for it (pieces taken in turn): the head
+ * does not run while a cached forward answers, so a second core may be free then
  * (somatize_set_threads(1) keeps one).
  * Written from the BLAKE3 specification (chunks of 1024 bytes, blocks of 64, 7 rounds,
  * a left subtree of the largest power of two of chunks below the whole). Every row of a
@@ -17,7 +17,10 @@
  * Little-endian hosts (the check says).
  */
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
@@ -181,31 +184,65 @@ static void subtree(v32 out[8], const uint8_t *const rows[LANES], size_t rb, uin
     parent(out, l, r, key, KEYED | (root ? ROOT : 0));
 }
 
-/* Work split in two: fn(args, 0, split) here, fn(args, split, n) on a thread of its own */
+/* Work shared with a thread started for it: both take pieces of it in turn until none is
+ * left, so a helper that gets no CPU soon (a loaded machine) takes none and costs only
+ * its start; the caller returns once every piece is done. The pool outlives the call for
+ * a helper that starts late (it finds nothing left and frees it). */
 typedef void (*part_fn)(const void *args, uint64_t from, uint64_t to);
-struct half { part_fn fn; const void *args; uint64_t from, to; };
+struct pool {
+    _Atomic uint64_t next, done;
+    _Atomic int refs;
+    part_fn fn;
+    const void *args;
+    uint64_t n, piece;
+};
 static int threads = 2; /* at most: 1 where the machine has one CPU, or when set */
-
-static void *run_half(void *p) {
-    struct half *h = p;
-    h->fn(h->args, h->from, h->to);
-    return NULL;
-}
 
 void somatize_set_threads(int n) {
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     threads = n > 1 && cpus > 1 ? 2 : 1;
 }
 
-static void in_two(part_fn fn, const void *args, uint64_t n, uint64_t split) {
-    pthread_t t;
-    struct half h = {fn, args, split, n};
-    if (threads < 2 || split == 0 || split >= n || pthread_create(&t, NULL, run_half, &h)) {
-        fn(args, 0, n); /* one thread: small work, one CPU, or none could be started */
+static void work(struct pool *p) {
+    for (;;) {
+        uint64_t from = atomic_fetch_add(&p->next, 1) * p->piece;
+        if (from >= p->n) return;
+        p->fn(p->args, from, from + p->piece < p->n ? from + p->piece : p->n);
+        atomic_fetch_add(&p->done, 1);
+    }
+}
+
+static void release(struct pool *p) {
+    if (atomic_fetch_sub(&p->refs, 1) == 1) free(p);
+}
+
+static void *helper(void *p) {
+    work(p);
+    release(p);
+    return NULL;
+}
+
+static void shared(part_fn fn, const void *args, uint64_t n, uint64_t piece) {
+    struct pool *p = threads > 1 && piece && piece < n ? malloc(sizeof *p) : NULL;
+    if (!p) {
+        fn(args, 0, n); /* one thread: small work, one CPU, or no memory */
         return;
     }
-    fn(args, 0, split);
-    pthread_join(t, NULL);
+    atomic_init(&p->next, 0);
+    atomic_init(&p->done, 0);
+    atomic_init(&p->refs, 2);
+    p->fn = fn, p->args = args, p->n = n, p->piece = piece;
+    pthread_t t;
+    pthread_attr_t attr;
+    int started = pthread_attr_init(&attr) == 0 &&
+                  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED) == 0 &&
+                  pthread_create(&t, &attr, helper, p) == 0;
+    pthread_attr_destroy(&attr);
+    if (!started) atomic_store(&p->refs, 1);
+    work(p);
+    uint64_t pieces = (n + piece - 1) / piece;
+    while (atomic_load(&p->done) < pieces) sched_yield(); /* the helper's last piece */
+    release(p);
 }
 
 struct rows_job { const uint8_t *data; uint64_t n, rb; const v32 *key; uint8_t *out; };
@@ -240,9 +277,8 @@ void somatize_rows(const uint8_t *data, uint64_t n, uint64_t rb, const uint8_t k
     memcpy(kw, key32, 32);
     for (int i = 0; i < 8; i++) key[i] = (v32){} + kw[i];
     struct rows_job j = {data, n, rb, key, out};
-    /* halves of whole groups of LANES rows; worth a thread from 64 KB on */
-    uint64_t split = n * rb >= (1u << 16) ? (n / LANES + 1) / 2 * LANES : 0;
-    in_two(rows_part, &j, n, split);
+    /* pieces of two groups of LANES rows; worth a thread from 64 KB on */
+    shared(rows_part, &j, n, n * rb >= (1u << 16) ? 2 * LANES : 0);
 }
 
 struct gather_job { uint8_t *dst; const uint8_t *src; const int64_t *rows; uint64_t rb; };
@@ -260,7 +296,7 @@ int somatize_gather(uint8_t *dst, const uint8_t *src, uint64_t src_rows, const i
     for (uint64_t i = 0; i < n; i++)
         if (rows[i] < 0 || (uint64_t)rows[i] >= src_rows) return 1;
     struct gather_job j = {dst, src, rows, rb};
-    in_two(gather_part, &j, n, n * rb >= (1u << 18) ? n / 2 : 0);
+    shared(gather_part, &j, n, n * rb >= (1u << 18) ? 32 : 0);
     return 0;
 }
 

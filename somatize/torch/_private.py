@@ -152,6 +152,11 @@ def own_tensors(m: torch.nn.Module) -> tuple[tuple, tuple]:
     return tuple(m._parameters.values()), tuple(m._buffers.values())
 
 
+def children(m: torch.nn.Module) -> tuple:
+    """``m``'s own children (``None`` where one is registered as None), in order."""
+    return tuple(m._modules.values())
+
+
 def first_device(module: torch.nn.Module) -> torch.device | None:
     """The device of ``module``'s first parameter, else of its first buffer (asked at every
     batch: read from the modules' own tables, not through ``parameters()``)."""

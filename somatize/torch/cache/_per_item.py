@@ -37,13 +37,14 @@ from ..._node import kind_of
 from ..._say import say_once
 from ..._values import Opaque, bare
 from ...store._items import Items, Space
-from ...store._rows import gather_function, native, row_keys
+from ...store._rows import native, row_keys
 from .._codec import DTYPES as CODEC_DTYPES
 from .._codec import TORCH_DTYPES
 from .._private import first_device as _device_of
 from .._state import modules_of
 from ._cached import CachedForward, _refuse_trained_input
 from ._coupled import refuse_coupled, refuse_coupled_node
+from ._gather import gather
 
 CONTEXT = "somatize 2026-12 per-item key v1"
 NAMES, DTYPES = CODEC_DTYPES, TORCH_DTYPES  # the codec's one table: torch dtype <-> name
@@ -192,7 +193,7 @@ class PerItem:
         self.row = self.rows_of[layout]
         result = torch.empty((n, *self.row), dtype=dtype, device=dev)
         if hit and rows.codes is not None:
-            _gather(result, rows, dtype)
+            gather(result, rows, dtype)
         for buf, slots, at in rows.parts if hit else ():  # a pack's rows at once
             src = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(-1, *rows.row)
             result[torch.tensor(slots, device=dev)] = src[torch.tensor(at)].to(dev)
@@ -274,35 +275,6 @@ class PerItem:
         return out
 
 
-def _gather(result: torch.Tensor, rows: Any, dtype: torch.dtype) -> None:
-    """Fill ``result`` with rows served from the arena (``rows.codes``: the row of each
-    slot there) in one ``index_select``."""
-    if result.device.type == "cpu" and _native_gather(result, rows):
-        return
-    at = torch.frombuffer(rows.codes, dtype=torch.int64)
-    src = torch.frombuffer(rows.arena, dtype=torch.uint8).view(dtype).view(-1, *rows.row)
-    if result.device.type == "cpu":
-        torch.index_select(src, 0, at, out=result)
-    else:
-        result.copy_(src.index_select(0, at))
-
-
-def _native_gather(result: torch.Tensor, rows: Any) -> bool:
-    """``_gather`` in one native call (two threads for a large batch); False where it
-    cannot be had (then index_select does it)."""
-    fn = _gather_fn[0] if _gather_fn else _gather_fn.append(gather_function()) or _gather_fn[0]
-    rb = result.element_size() * (result.numel() // max(result.shape[0], 1))
-    if fn is None or rb == 0 or not result.is_contiguous():
-        return False
-    src = torch.frombuffer(rows.arena, dtype=torch.uint8)  # no copy: where its bytes are
-    at, n = rows.codes.buffer_info()
-    return n == result.shape[0] and fn(result.data_ptr(), src.data_ptr(), src.numel() // rb,
-                                       at, n, rb) == 0
-
-
-_gather_fn: list = []
-
-
 def _given(n: int) -> str:
     return f" for the {n} rows it was given (misses are computed in chunks of {n})"
 
@@ -353,8 +325,8 @@ class PerItemForward(CachedForward):
                 ": per item takes one tensor whose dim 0 is the batch. Keep it per batch "
                 "(SomatizeCache without per_item=True)")
         _refuse_trained_input(self.path, args, kwargs)
-        refuse_coupled(self.module, self.path)
         if self._watch is None or self.reads is None or self._watch.changed(self.module):
+            refuse_coupled(self.module, self.path)  # a layer's train flag is watched too
             self.settle()  # its weights or settings were written: a new name
         out, _ = self.item(args[0], self.run, self.state(), {"fingerprint": self.code},
                            _device_of(self.module))

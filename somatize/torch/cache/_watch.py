@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..._reads import Unnamed, module_is_yours
-from .._private import forward_hooks, own_tensors, versions
+from .._private import children, forward_hooks, own_tensors, versions
 from ._named import _BOOKKEEPING, _named, _ours
 
 # what a container may hold and still be copied shallowly (by identity): values that
@@ -120,25 +120,22 @@ def _inner_of(attrs: list) -> list:
 
 
 def _seen(module: torch.nn.Module) -> list:
-    # one pass: each module, its tensors by identity, and its own attributes with a
-    # shallow copy of the containers among them
-    return [(m, *own_tensors(m),
+    # one pass: each module, its tensors and children by identity, and its own attributes
+    # with a shallow copy of the containers among them
+    return [(m, *own_tensors(m), children(m),
              [(k, v, _shallow(v)) for k, v in m.__dict__.items() if k not in _BOOKKEEPING])
             for m in module.modules()]
 
 
 def _same_now(module: torch.nn.Module, then: list) -> bool:
-    """Whether ``_seen(module)`` would be ``then``, without making the list."""
-    n, i = len(then), 0
-    for m in module.modules():
-        if i == n:
-            return False
-        m0, ps0, bs0, items0 = then[i]
-        i += 1
-        if m is not m0:
-            return False
+    """Whether ``_seen(module)`` would be ``then``, without making the list: the same
+    root, and each module seen with the same children, is the same tree."""
+    if not then or then[0][0] is not module:
+        return False
+    for m, ps0, bs0, kids0, items0 in then:
         ps, bs = own_tensors(m)
-        if not _identical(ps, ps0) or not _identical(bs, bs0):
+        if not _identical(ps, ps0) or not _identical(bs, bs0) or not _identical(
+                children(m), kids0):
             return False
         j, left = 0, len(items0)
         for k, v in m.__dict__.items():
@@ -154,7 +151,7 @@ def _same_now(module: torch.nn.Module, then: list) -> bool:
                 return False
         if j != left:
             return False
-    return i == n
+    return True
 
 
 def _identical(a: tuple, b: tuple) -> bool:
