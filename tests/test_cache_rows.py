@@ -85,7 +85,7 @@ def test_a_row_and_its_neighbours_are_told_apart():
 
 
 @needs_cc
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 3])  # 3: a helper thread whatever the load
 def test_one_thread_or_two_give_blake3s_bytes(threads):
     lib = _rows._libs[-1] if _rows.native() is not None else None
     assert lib is not None
@@ -94,6 +94,7 @@ def test_one_thread_or_two_give_blake3s_bytes(threads):
     lib.somatize_set_threads(threads)
     try:
         assert item_keys(mkey, x) == one_by_one(mkey, x)
+        assert _rows._agrees(_rows.native())
     finally:
         lib.somatize_set_threads(2)
 
@@ -110,8 +111,13 @@ def test_served_rows_gathered_natively_are_index_selects(n):
     arena = torch.rand(1200, 512, generator=g)
     codes = array("q", torch.randint(0, 1200, (n,), generator=g).tolist())
     rows = SimpleNamespace(codes=codes, arena=bytearray(arena.numpy().tobytes()), row=(512,))
-    got = torch.empty(n, 512)
-    gather(got, rows, torch.float32)
+    lib = _rows._libs[-1] if _rows.native() is not None else None
+    lib.somatize_set_threads(3)
+    try:
+        got = torch.empty(n, 512)
+        gather(got, rows, torch.float32)
+    finally:
+        lib.somatize_set_threads(2)
     assert torch.equal(got, arena[torch.tensor(codes.tolist())])
     out_of_range = SimpleNamespace(codes=array("q", [0, 1200]), arena=rows.arena, row=(512,))
     with pytest.raises(IndexError):  # refused natively, then by index_select

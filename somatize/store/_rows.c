@@ -5,8 +5,9 @@
  *     somatize_gather(dst, src, src_rows, rows, n, rb);  // dst row i = src row rows[i]
  *
  * A large batch is shared with a thread started for it (pieces taken in turn): the head
- * does not run while a cached forward answers, so a second core may be free then
- * (somatize_set_threads(1) keeps one).
+ * does not run while a cached forward answers, so a second core may be free then. Only
+ * while the load average leaves a CPU free (on a loaded machine the helper costs more
+ * than it does); somatize_set_threads(1) keeps one always.
  * Written from the BLAKE3 specification (chunks of 1024 bytes, blocks of 64, 7 rounds,
  * a left subtree of the largest power of two of chunks below the whole). Every row of a
  * batch has the same length, so LANES rows go through the same steps side by side, one row
@@ -190,24 +191,38 @@ static void subtree(v32 out[8], const uint8_t *const rows[LANES], size_t rb, uin
  * a helper that starts late (it finds nothing left and frees it). */
 typedef void (*part_fn)(const void *args, uint64_t from, uint64_t to);
 struct pool {
-    _Atomic uint64_t next, done;
+    _Atomic uint64_t next, done, helped;
     _Atomic int refs;
     part_fn fn;
     const void *args;
     uint64_t n, piece;
 };
 static int threads = 2; /* at most: 1 where the machine has one CPU, or when set */
+static int alone; /* calls left to make alone: the last helper got no CPU in time */
+static long cpus = 1, calls;
+static int idle; /* whether the load average leaves a CPU free (read every 64 calls) */
 
+/* 1: the calling thread alone; 2: a helper while a CPU is free; 3: a helper always */
 void somatize_set_threads(int n) {
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    threads = n > 1 && cpus > 1 ? 2 : 1;
+    cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    threads = n == 3 ? 3 : n > 1 && cpus > 1 ? 2 : 1;
 }
 
-static void work(struct pool *p) {
+static int a_cpu_free(void) {
+    if (threads == 3) return 1;
+    if (calls++ % 64 == 0) {
+        double load;
+        idle = getloadavg(&load, 1) == 1 && load < (double)cpus - 0.5;
+    }
+    return idle;
+}
+
+static void work(struct pool *p, int helper) {
     for (;;) {
         uint64_t from = atomic_fetch_add(&p->next, 1) * p->piece;
         if (from >= p->n) return;
         p->fn(p->args, from, from + p->piece < p->n ? from + p->piece : p->n);
+        if (helper) atomic_fetch_add(&p->helped, 1);
         atomic_fetch_add(&p->done, 1);
     }
 }
@@ -217,19 +232,22 @@ static void release(struct pool *p) {
 }
 
 static void *helper(void *p) {
-    work(p);
+    work(p, 1);
     release(p);
     return NULL;
 }
 
 static void shared(part_fn fn, const void *args, uint64_t n, uint64_t piece) {
-    struct pool *p = threads > 1 && piece && piece < n ? malloc(sizeof *p) : NULL;
+    int two = threads > 1 && piece && piece < n && (alone == 0 || (alone--, 0)) &&
+              a_cpu_free();
+    struct pool *p = two ? malloc(sizeof *p) : NULL;
     if (!p) {
         fn(args, 0, n); /* one thread: small work, one CPU, or no memory */
         return;
     }
     atomic_init(&p->next, 0);
     atomic_init(&p->done, 0);
+    atomic_init(&p->helped, 0);
     atomic_init(&p->refs, 2);
     p->fn = fn, p->args = args, p->n = n, p->piece = piece;
     pthread_t t;
@@ -239,9 +257,10 @@ static void shared(part_fn fn, const void *args, uint64_t n, uint64_t piece) {
                   pthread_create(&t, &attr, helper, p) == 0;
     pthread_attr_destroy(&attr);
     if (!started) atomic_store(&p->refs, 1);
-    work(p);
+    work(p, 0);
     uint64_t pieces = (n + piece - 1) / piece;
     while (atomic_load(&p->done) < pieces) sched_yield(); /* the helper's last piece */
+    if (atomic_load(&p->helped) == 0 && threads == 2) alone = 16; /* it had no CPU */
     release(p);
 }
 

@@ -9,8 +9,8 @@ whole batch; ``_rows.c`` hashes 16 rows at once, one per lane. It is compiled on
 machine with the C compiler found (``cc``, or ``$CC``) into ``$SOMATIZE_NATIVE_DIR``
 (default ``~/.cache/somatize``), loaded with ctypes, and used only after it gave the
 blake3 package's bytes on rows of many lengths. ``SOMATIZE_NATIVE=0`` turns it off. A
-large batch is hashed (and its served rows gathered, ``gather``) on two threads;
-``SOMATIZE_NATIVE_THREADS=1`` keeps one.
+large batch is hashed (and its served rows gathered, ``gather``) on two threads while
+the load average leaves a CPU free; ``SOMATIZE_NATIVE_THREADS=1`` keeps one.
 """
 
 from __future__ import annotations
