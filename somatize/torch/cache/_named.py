@@ -169,7 +169,7 @@ def settings_of(module: torch.nn.Module, where: str, salt: str | None = None,
         attrs = [(k, v) for k, v in vars(m).items()
                  if not (k in _BOOKKEEPING or k.startswith("_soma") or _ours(k, v))]
         if prefix or hooks:  # a child's hooks run inside the cached forward
-            attrs += [(k, [_hook(h) for h in d.values()])
+            attrs += [(k, [_hook(h, tree) for h in d.values()])
                       for k, d in zip(FORWARD_HOOKS, forward_hooks(m), strict=True) if d]
         for k, v in attrs:
             name = f"{prefix}.{k}" if prefix else k
@@ -189,13 +189,22 @@ def settings_of(module: torch.nn.Module, where: str, salt: str | None = None,
     return pieces, tensors
 
 
-def _hook(h: Any) -> Any:
+def _hook(h: Any, tree: set) -> Any:
     # torch's own hook objects (weight_norm's) compute from the module's state: their class
-    # names them; a function (yours) is named by its code, closure and all
+    # names them; a function (yours) is named by its code, closure and all, and one bound
+    # to (or closing over) what the key cannot name (a callback counting calls) by its
+    # code alone: its presence is in the key, that object's state is not
     if not isinstance(h, (types.FunctionType, types.MethodType)) and \
             type(h).__module__.startswith("torch."):
         return f"hook:{type(h).__module__}.{type(h).__qualname__}"
-    return h
+    try:
+        _named(h, "hook", [], 1, tree)
+        return h
+    except Unnamed:
+        fn = getattr(h, "__func__", h)
+        code = getattr(fn, "__code__", None)
+        return (f"hook:{type(h).__qualname__}:{getattr(fn, '__qualname__', '')}:"
+                f"{code_digest(code) if code is not None else ''}")
 
 
 def _ours(k: str, v: Any) -> bool:
