@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import dis
 import enum
+import functools
 import logging
 import os
 import sys
@@ -62,6 +63,13 @@ def yours(code: types.CodeType) -> bool:
     if f.startswith("<"):
         return True  # exec'd or interactive: the user's
     return not os.path.realpath(f).startswith(_LIBRARY)
+
+
+def module_is_yours(mod: types.ModuleType) -> bool:
+    """Whether a module object is the user's (a config module), not a package's."""
+    f = getattr(mod, "__file__", None)
+    return bool(f) and not mod.__name__.startswith(_LIBRARY_MODULES) and not (
+        os.path.realpath(f).startswith(_LIBRARY))
 
 
 def code_digest(code: types.CodeType) -> str:
@@ -163,7 +171,7 @@ class Reads:
         for who, g, name, chain in self.refs:
             if name not in g:
                 continue  # a builtin (or not yet defined): not the user's data
-            v, path = g[name], name
+            v, path = g[name], f"{who[6:]}.{name}" if who.startswith("class ") else name
             for attr in chain:
                 if not isinstance(v, types.ModuleType) or not hasattr(v, attr):
                     break
@@ -178,8 +186,9 @@ class Reads:
                 if salt is not None:
                     continue
                 what, kind = e.args
+                where = "class attribute" if who.startswith("class ") else "global"
                 raise Refused(
-                    f"{who_runs}: {who} reads the global {what!r}, a {kind}, which the key "
+                    f"{who_runs}: {who} reads the {where} {what!r}, a {kind}, which the key "
                     "of its cached outputs cannot name (a change to it would serve stale "
                     "outputs). Make it plain data (a number, string, tuple, dict, dataclass), "
                     "pass it as an attribute or buffer, or give it a salt= "
@@ -204,6 +213,7 @@ def _references(classes: tuple[type, ...]) -> list:
     seen_code: set[int] = set()
     todo: list[tuple[str, types.FunctionType]] = functions_of(classes, _LIBRARY_MODULES)
     written: set[tuple[int, str]] = set()  # (id of its globals, name)
+    set_attrs: set[str] = set()  # attributes the code sets (Encoder.runs += 1: a counter)
     while todo:
         who, fn = todo.pop()
         if id(fn.__code__) in seen_code or not yours(fn.__code__) or (
@@ -211,13 +221,51 @@ def _references(classes: tuple[type, ...]) -> list:
             continue
         seen_code.add(id(fn.__code__))
         written |= {(id(fn.__globals__), n) for n in globals_written(fn.__code__)}
+        set_attrs |= _attrs_set(fn.__code__)
         for name, chain in _globals_loaded(fn.__code__):
             refs.append((who, fn.__globals__, name, chain))
             v = fn.__globals__.get(name)
+            for attr in chain:  # helpers.scale: a function reached through a module
+                if not isinstance(v, types.ModuleType):
+                    break
+                v = getattr(v, attr, None)
             if isinstance(v, types.FunctionType):
                 todo.append((f"{v.__qualname__} (called by {who})", v))
     # a global the code writes into is its bookkeeping (a counter, a log), not an input
-    return [r for r in refs if (id(r[1]), r[2]) not in written]
+    return [r for r in refs if (id(r[1]), r[2]) not in written] + _class_data(classes,
+                                                                                set_attrs)
+
+
+def _attrs_set(code: types.CodeType) -> set[str]:
+    out = {str(op.argval) for op in dis.get_instructions(code)
+           if op.opname in ("STORE_ATTR", "DELETE_ATTR")}
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            out |= _attrs_set(c)
+    return out
+
+
+def _class_data(classes: tuple[type, ...], set_attrs: set[str]) -> list:
+    """The data attributes of the user's classes in the tree (``GAIN = 1.0`` read as
+    ``self.GAIN``), as references read again at every call, as globals are: a class
+    attribute set mid-run is a new key. One the code itself sets (``set_attrs``: a
+    counter, ``Encoder.runs += 1``) is its bookkeeping, left out."""
+    refs, seen = [], set()
+    for klass in (k for c in classes for k in c.__mro__):
+        if klass in seen or klass is object or klass.__module__.startswith(_LIBRARY_MODULES):
+            continue
+        seen.add(klass)
+        for name, v in vars(klass).items():
+            if name.startswith("__") or isinstance(v, _CODE) or name in set_attrs:
+                continue
+            refs.append((f"class {klass.__qualname__}", vars(klass), name, ()))
+    return refs
+
+
+# what a class holds that is code or a descriptor, not data: named by the fingerprint
+_CODE = (types.FunctionType, staticmethod, classmethod, property, type, types.ModuleType,
+         types.BuiltinFunctionType, types.MemberDescriptorType, types.GetSetDescriptorType,
+         functools.cached_property)
 
 
 def _globals_loaded(code: types.CodeType) -> list[tuple[str, tuple[str, ...]]]:

@@ -82,3 +82,43 @@ def test_a_row_and_its_neighbours_are_told_apart():
     x[7, 1023] = 1.0  # the last byte of one row's only chunk
     keys = item_keys(module_key("Enc", None, None), x)
     assert keys[7] != keys[6] and keys[6] == keys[8] and len(set(keys)) == 2
+
+
+@needs_cc
+@pytest.mark.parametrize("threads", [1, 3])  # 3: a helper thread whatever the load
+def test_one_thread_or_two_give_blake3s_bytes(threads):
+    lib = _rows._libs[-1] if _rows.native() is not None else None
+    assert lib is not None
+    x = torch.rand(300, 768, generator=torch.Generator().manual_seed(7))  # 900 KB: shared
+    mkey = module_key("Enc", "t" * 64, None)
+    lib.somatize_set_threads(threads)
+    try:
+        assert item_keys(mkey, x) == one_by_one(mkey, x)
+        assert _rows._agrees(_rows.native())
+    finally:
+        lib.somatize_set_threads(2)
+
+
+@needs_cc
+@pytest.mark.parametrize("n", [1, 7, 256, 1000])
+def test_served_rows_gathered_natively_are_index_selects(n):
+    from array import array
+    from types import SimpleNamespace
+
+    from somatize.torch.cache._gather import gather
+
+    g = torch.Generator().manual_seed(n)
+    arena = torch.rand(1200, 512, generator=g)
+    codes = array("q", torch.randint(0, 1200, (n,), generator=g).tolist())
+    rows = SimpleNamespace(codes=codes, arena=bytearray(arena.numpy().tobytes()), row=(512,))
+    lib = _rows._libs[-1] if _rows.native() is not None else None
+    lib.somatize_set_threads(3)
+    try:
+        got = torch.empty(n, 512)
+        gather(got, rows, torch.float32)
+    finally:
+        lib.somatize_set_threads(2)
+    assert torch.equal(got, arena[torch.tensor(codes.tolist())])
+    out_of_range = SimpleNamespace(codes=array("q", [0, 1200]), arena=rows.arena, row=(512,))
+    with pytest.raises(IndexError):  # refused natively, then by index_select
+        gather(torch.empty(2, 512), out_of_range, torch.float32)

@@ -2,7 +2,12 @@
  * compiles and loads (ctypes) to name a batch's items in one call.
  *
  *     somatize_rows(data, n, rb, key, out);  // out[16 i ..]: BLAKE3-keyed(key, row i)[:16]
+ *     somatize_gather(dst, src, src_rows, rows, n, rb);  // dst row i = src row rows[i]
  *
+ * A large batch is shared with a thread started for it (pieces taken in turn): the head
+ * does not run while a cached forward answers, so a second core may be free then. Only
+ * while the load average leaves a CPU free (on a loaded machine the helper costs more
+ * than it does); somatize_set_threads(1) keeps one always.
  * Written from the BLAKE3 specification (chunks of 1024 bytes, blocks of 64, 7 rounds,
  * a left subtree of the largest power of two of chunks below the whole). Every row of a
  * batch has the same length, so LANES rows go through the same steps side by side, one row
@@ -12,8 +17,13 @@
  * _rows.py checks what it computes against the blake3 package before using it.
  * Little-endian hosts (the check says).
  */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -175,15 +185,96 @@ static void subtree(v32 out[8], const uint8_t *const rows[LANES], size_t rb, uin
     parent(out, l, r, key, KEYED | (root ? ROOT : 0));
 }
 
-/* out[16 * i ...]: the first 16 bytes of BLAKE3-keyed(key, row i), rows of rb bytes */
-void somatize_rows(const uint8_t *data, uint64_t n, uint64_t rb, const uint8_t key32[32],
-                   uint8_t *out) {
+/* Work shared with a thread started for it: both take pieces of it in turn until none is
+ * left, so a helper that gets no CPU soon (a loaded machine) takes none and costs only
+ * its start; the caller returns once every piece is done. The pool outlives the call for
+ * a helper that starts late (it finds nothing left and frees it). */
+typedef void (*part_fn)(const void *args, uint64_t from, uint64_t to);
+struct pool {
+    _Atomic uint64_t next, done, helped;
+    _Atomic int refs;
+    part_fn fn;
+    const void *args;
+    uint64_t n, piece;
+};
+static int threads = 2; /* at most: 1 where the machine has one CPU, or when set */
+static int alone; /* calls left to make alone: the last helper got no CPU in time */
+static long cpus = 1, calls;
+static int idle; /* whether the load average leaves a CPU free (read every 64 calls) */
+
+/* 1: the calling thread alone; 2: a helper while a CPU is free; 3: a helper always */
+void somatize_set_threads(int n) {
+    cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    threads = n == 3 ? 3 : n > 1 && cpus > 1 ? 2 : 1;
+}
+
+static int a_cpu_free(void) {
+    if (threads == 3) return 1;
+    if (calls++ % 64 == 0) {
+        double load;
+        idle = getloadavg(&load, 1) == 1 && load < (double)cpus - 0.5;
+    }
+    return idle;
+}
+
+static void work(struct pool *p, int helper) {
+    for (;;) {
+        uint64_t from = atomic_fetch_add(&p->next, 1) * p->piece;
+        if (from >= p->n) return;
+        p->fn(p->args, from, from + p->piece < p->n ? from + p->piece : p->n);
+        if (helper) atomic_fetch_add(&p->helped, 1);
+        atomic_fetch_add(&p->done, 1);
+    }
+}
+
+static void release(struct pool *p) {
+    if (atomic_fetch_sub(&p->refs, 1) == 1) free(p);
+}
+
+static void *helper(void *p) {
+    work(p, 1);
+    release(p);
+    return NULL;
+}
+
+static void shared(part_fn fn, const void *args, uint64_t n, uint64_t piece) {
+    int two = threads > 1 && piece && piece < n && (alone == 0 || (alone--, 0)) &&
+              a_cpu_free();
+    struct pool *p = two ? malloc(sizeof *p) : NULL;
+    if (!p) {
+        fn(args, 0, n); /* one thread: small work, one CPU, or no memory */
+        return;
+    }
+    atomic_init(&p->next, 0);
+    atomic_init(&p->done, 0);
+    atomic_init(&p->helped, 0);
+    atomic_init(&p->refs, 2);
+    p->fn = fn, p->args = args, p->n = n, p->piece = piece;
+    pthread_t t;
+    pthread_attr_t attr;
+    int started = pthread_attr_init(&attr) == 0 &&
+                  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED) == 0 &&
+                  pthread_create(&t, &attr, helper, p) == 0;
+    pthread_attr_destroy(&attr);
+    if (!started) atomic_store(&p->refs, 1);
+    work(p, 0);
+    uint64_t pieces = (n + piece - 1) / piece;
+    while (atomic_load(&p->done) < pieces) sched_yield(); /* the helper's last piece */
+    if (atomic_load(&p->helped) == 0 && threads == 2) alone = 16; /* it had no CPU */
+    release(p);
+}
+
+struct rows_job { const uint8_t *data; uint64_t n, rb; const v32 *key; uint8_t *out; };
+
+static void rows_part(const void *args, uint64_t from, uint64_t to) {
+    const struct rows_job *j = args;
+    const uint8_t *data = j->data;
+    uint64_t n = j->n, rb = j->rb;
+    uint8_t *out = j->out;
     v32 key[8];
-    uint32_t kw[8];
-    memcpy(kw, key32, 32);
-    for (int i = 0; i < 8; i++) key[i] = (v32){} + kw[i];
+    memcpy(key, j->key, sizeof key);
     uint64_t chunks = rb ? (rb + 1023) / 1024 : 1;
-    for (uint64_t i = 0; i < n; i += LANES) {
+    for (uint64_t i = from; i < to; i += LANES) {
         const uint8_t *rows[LANES];
         for (int l = 0; l < LANES; l++)
             rows[l] = data + rb * (i + l < n ? i + l : n - 1); /* short: the last row again */
@@ -195,6 +286,37 @@ void somatize_rows(const uint8_t *data, uint64_t n, uint64_t rb, const uint8_t k
                 memcpy(out + 16 * (i + l) + 4 * w, &v, 4);
             }
     }
+}
+
+/* out[16 * i ...]: the first 16 bytes of BLAKE3-keyed(key, row i), rows of rb bytes */
+void somatize_rows(const uint8_t *data, uint64_t n, uint64_t rb, const uint8_t key32[32],
+                   uint8_t *out) {
+    v32 key[8];
+    uint32_t kw[8];
+    memcpy(kw, key32, 32);
+    for (int i = 0; i < 8; i++) key[i] = (v32){} + kw[i];
+    struct rows_job j = {data, n, rb, key, out};
+    /* pieces of two groups of LANES rows; worth a thread from 64 KB on */
+    shared(rows_part, &j, n, n * rb >= (1u << 16) ? 2 * LANES : 0);
+}
+
+struct gather_job { uint8_t *dst; const uint8_t *src; const int64_t *rows; uint64_t rb; };
+
+static void gather_part(const void *args, uint64_t from, uint64_t to) {
+    const struct gather_job *j = args;
+    for (uint64_t i = from; i < to; i++)
+        memcpy(j->dst + j->rb * i, j->src + j->rb * (uint64_t)j->rows[i], j->rb);
+}
+
+/* dst row i <- src row rows[i] (rows of rb bytes); returns 0, or 1 (nothing copied) if a
+ * row is outside src's src_rows */
+int somatize_gather(uint8_t *dst, const uint8_t *src, uint64_t src_rows, const int64_t *rows,
+                    uint64_t n, uint64_t rb) {
+    for (uint64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || (uint64_t)rows[i] >= src_rows) return 1;
+    struct gather_job j = {dst, src, rows, rb};
+    shared(gather_part, &j, n, n * rb >= (1u << 18) ? 32 : 0);
+    return 0;
 }
 
 /* A table of items served before: 16-byte keys (BLAKE3 output: their first 8 bytes are

@@ -8,7 +8,9 @@ BLAKE3 has here (a row of 3 KB is 3 chunks), so it costs 5x the one call that ha
 whole batch; ``_rows.c`` hashes 16 rows at once, one per lane. It is compiled once per
 machine with the C compiler found (``cc``, or ``$CC``) into ``$SOMATIZE_NATIVE_DIR``
 (default ``~/.cache/somatize``), loaded with ctypes, and used only after it gave the
-blake3 package's bytes on rows of many lengths. ``SOMATIZE_NATIVE=0`` turns it off.
+blake3 package's bytes on rows of many lengths. ``SOMATIZE_NATIVE=0`` turns it off. A
+large batch is hashed (and its served rows gathered, ``gather``) on two threads while
+the load average leaves a CPU free; ``SOMATIZE_NATIVE_THREADS=1`` keeps one.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from blake3 import blake3
 
 log = logging.getLogger("somatize.store")
 SOURCE = Path(__file__).with_name("_rows.c")
-FLAGS = ["-O3", "-march=native", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
 _lock = threading.Lock()
 _native: list = []  # [] not tried yet; [None] none to be had; [function]
 _libs: list = []  # the library it came from
@@ -85,6 +87,19 @@ def table_functions():
     return put, get
 
 
+def gather_function():
+    """``gather(dst, src, src_rows, rows, n, rb) -> 0`` (1: a row out of range, nothing
+    copied): rows of ``rb`` bytes copied from ``src`` to ``dst`` in the order of the int64
+    array ``rows``; None where the native library is not there."""
+    if native() is None:
+        return None
+    fn = _libs[-1].somatize_gather
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_void_p,
+                   ctypes.c_uint64, ctypes.c_uint64]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 def _load():
     if os.environ.get("SOMATIZE_NATIVE", "1") == "0":
         return None
@@ -106,6 +121,8 @@ def _load():
                     "bytes on this machine; it is not used (rows are hashed one call each). "
                     "Remove the file to build it again", path)
         return None
+    lib.somatize_set_threads.argtypes = [ctypes.c_int]
+    lib.somatize_set_threads(int(os.environ.get("SOMATIZE_NATIVE_THREADS", "2") or 2))
     _libs.append(lib)
     return fn
 

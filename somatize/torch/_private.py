@@ -152,6 +152,11 @@ def own_tensors(m: torch.nn.Module) -> tuple[tuple, tuple]:
     return tuple(m._parameters.values()), tuple(m._buffers.values())
 
 
+def children(m: torch.nn.Module) -> tuple:
+    """``m``'s own children (``None`` where one is registered as None), in order."""
+    return tuple(m._modules.values())
+
+
 def first_device(module: torch.nn.Module) -> torch.device | None:
     """The device of ``module``'s first parameter, else of its first buffer (asked at every
     batch: read from the modules' own tables, not through ``parameters()``)."""
@@ -259,3 +264,22 @@ METADATA_READS = frozenset({
 
 # a read of ``tensor.data`` (shares the storage, not the version counter)
 DATA_READ = torch.Tensor.data.__get__
+
+
+# the forward hooks a module runs around its forward (pre-hooks, then hooks), by attribute
+FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_hooks")
+
+
+def forward_hooks(m: torch.nn.Module) -> list:
+    """``m``'s forward pre-hook and forward hook dictionaries (what a cached forward's key
+    names of a child: they run inside it)."""
+    return [_need(m, attr, "the hooks run inside a cached forward") for attr in FORWARD_HOOKS]
+
+
+def global_forward_hooks() -> list:
+    """The forward pre-hooks and hooks registered for every module
+    (``register_module_forward_pre_hook`` / ``register_module_forward_hook``)."""
+    from torch.nn.modules import module as m  # noqa: PLC0415 - torch's own tables
+
+    return [h for attr in ("_global_forward_pre_hooks", "_global_forward_hooks")
+            for h in _need(m, attr, "the hooks every module runs").values()]

@@ -31,7 +31,7 @@ from ..._keys import changed, classes_of, fingerprint, key_of_input, key_of_node
 from ..._reads import reads_of
 from ..._say import say_once
 from ._freeze import digest_of, named_state
-from ._named import Watch
+from ._watch import Watch
 
 
 class CachedForward:

@@ -15,9 +15,11 @@ from blake3 import blake3
 from ..._keys import digest
 from ..._memory import on_settled
 from .._codec import to_blob
+from .._private import versions
 from .._state import modules_of, state_of
 from ._coupled import refuse_coupled_node
-from ._named import Watch, settings_of
+from ._named import settings_of
+from ._watch import Watch
 
 
 def named_state(node: Any, where: str = "", salt: str | None = None
@@ -26,6 +28,10 @@ def named_state(node: Any, where: str = "", salt: str | None = None
     ``state_dict``, non-persistent buffers and tensors held as plain attributes, each
     once) and its settings (see ``settings_of``; refused when one cannot be named)."""
     state = state_of(node)
+    if not isinstance(node, torch.nn.Module):  # a graph node's own tensors, not its modules'
+        seen = {id(t) for _, t in state}
+        state += [(k, t) for k, t in sorted(vars(node).items(), key=lambda kv: kv[0])
+                  if isinstance(t, torch.Tensor) and id(t) not in seen]
     pieces: list[str] = []
     for name, m in modules_of(node):
         pieces += [f"{name}/{p}" for p in _settings(m, where or name or type(m).__name__,
@@ -35,7 +41,7 @@ def named_state(node: Any, where: str = "", salt: str | None = None
 
 def _settings(m: torch.nn.Module, where: str, salt: str | None,
               state: list[tuple[str, torch.Tensor]], name: str) -> list[str]:
-    pieces, tensors = settings_of(m, where, salt)
+    pieces, tensors = settings_of(m, where, salt, hooks=bool(name))
     seen = {id(t) for _, t in state}
     dot = f"{name}." if name else ""
     for k, b in m.named_buffers(remove_duplicate=False):  # non-persistent ones too
@@ -91,16 +97,24 @@ class _Settled:
     process: pickled, it arrives empty (a worker's copy was digested where it was frozen)."""
 
     def __init__(self, node: Any, n: str, salt: str | None):
-        self.n, self.salt = n, salt
+        self.n, self.salt, self.node = n, salt, node
         state = state_of(node)
-        mods = [m for _, m in modules_of(node)]
-        self.watches = [(m, Watch(m, state if i == 0 else [])) for i, m in enumerate(mods)]
+        self.watches = [(m, Watch(m, state if i == 0 else [], hooks=bool(k)))
+                        for i, (k, m) in enumerate(modules_of(node))]
+        self.own = _own_tensors(node)  # a node's tensors held as its attributes
 
     def changed(self) -> bool:
-        return any(w.changed(m) for m, w in self.watches)
+        return any(w.changed(m) for m, w in self.watches) or _own_tensors(self.node) != self.own
 
     def __reduce__(self):
         return (_Settled.__new__, (_Settled,))
+
+
+def _own_tensors(node: Any) -> list:
+    if isinstance(node, torch.nn.Module):
+        return []
+    own = [(k, t) for k, t in vars(node).items() if isinstance(t, torch.Tensor)]
+    return [(k, id(t)) for k, t in own] + versions([t for _, t in own])
 
 
 def settle(node: Any, n: str, salt: str | None) -> None:

@@ -12,12 +12,12 @@ parameter or buffer is state: its content is digested with the rest. What cannot
 (an arbitrary object) is refused, naming the attribute and what to do, unless ``salt``
 says the caller names it. The autocast state and the math settings of the call
 (``math_state``) are registered here as part of every key (``somatize._keys.call_state``),
-on both routes. ``Watch`` tells at each call whether any of it may have changed.
+on both routes. ``Watch`` (``_watch``) tells at each call whether any of it may have
+changed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import types
@@ -33,17 +33,24 @@ from ..._reads import (
     class_name,
     code_digest,
     function_text,
+    module_is_yours,
     name_value,
     structure_text,
     value_namer,
     yours,
 )
-from .._private import ROUTED_CALL, own_tensors, versions
+from .._private import (
+    FORWARD_HOOKS,
+    ROUTED_CALL,
+    forward_hooks,
+    global_forward_hooks,
+)
 
 # the device types whose autocast state is part of every key
 _AUTOCAST = ("cpu", "cuda", "xpu", "mps")
-# what torch keeps on every module for itself (hooks, registries, the train flag)
-_BOOKKEEPING = frozenset(vars(torch.nn.Module())) | {"training"}
+# what torch keeps on every module for itself (registries, hooks: named apart, below); the
+# train flag is a setting (a child's dropout or BatchNorm put back in train mode)
+_BOOKKEEPING = frozenset(vars(torch.nn.Module())) - {"training"}
 _MAX_DEPTH = 8
 
 
@@ -55,6 +62,20 @@ def autocast_state() -> str | None:
 
 
 call_state(autocast_state)
+
+def global_hooks() -> str | None:
+    """The hooks registered for every module (``register_module_forward_hook``): they run
+    inside a cached forward too, so they are part of every key (None when there are none)."""
+    hooks = global_forward_hooks()
+    if not hooks:
+        return None
+    try:
+        return "hooks " + _named(hooks, "global hooks", [], 0)
+    except Unnamed:
+        return "hooks " + ",".join(f"{type(h).__qualname__}@{id(h)}" for h in hooks)
+
+
+call_state(global_hooks)
 
 # the process-wide settings that change what a kernel computes (or which kernel runs),
 # beside autocast in every key: matmul precision, deterministic algorithms, torch.backends'
@@ -77,6 +98,8 @@ def _math_readers() -> list:
         names = [n for n in known if n != "threads" and (cuda or n in _CPU)]
         names += [n for n in _CPU if n not in known]
         _readers = [(n, _reader(n) if n.startswith("backends.") else known[n]) for n in names]
+        # what a tensor made in the forward (torch.ones(4)) is, and so what it promotes to
+        _readers.append(("default_dtype", torch.get_default_dtype))
     return _readers
 
 
@@ -128,24 +151,30 @@ def _torch_value(v: Any) -> str | None:
 value_namer(_torch_value)
 
 
-def settings_of(module: torch.nn.Module, where: str,
-                salt: str | None = None) -> tuple[list[str], list[tuple[str, torch.Tensor]]]:
+def settings_of(module: torch.nn.Module, where: str, salt: str | None = None,
+                hooks: bool = False) -> tuple[list[str], list[tuple[str, torch.Tensor]]]:
     """The named settings of ``module`` and every module inside it, and the tensors held
     as plain attributes (state that no ``state_dict`` shows), by dotted name.
 
     Raises ``Refused`` for a setting that cannot be named, naming ``where`` and the
     attribute; with a ``salt`` such an attribute is left out (the salt names it).
+    ``hooks``: the module's own hooks count too (a graph node's module, called inside the
+    node's forward); a child's always do.
     """
     pieces: list[str] = []
     tensors: list[tuple[str, torch.Tensor]] = []
+    tree = {id(m) for m in module.modules()}
     for prefix, m in module.named_modules(remove_duplicate=False):
         pieces.append(f"{prefix}:class={class_name(type(m))}")
-        for k, v in vars(m).items():
-            if k in _BOOKKEEPING or k.startswith("_soma") or _ours(k, v):
-                continue
+        attrs = [(k, v) for k, v in vars(m).items()
+                 if not (k in _BOOKKEEPING or k.startswith("_soma") or _ours(k, v))]
+        if prefix or hooks:  # a child's hooks run inside the cached forward
+            attrs += [(k, [_hook(h, tree) for h in d.values()])
+                      for k, d in zip(FORWARD_HOOKS, forward_hooks(m), strict=True) if d]
+        for k, v in attrs:
             name = f"{prefix}.{k}" if prefix else k
             try:
-                pieces.append(f"{name}={_named(v, name, tensors, 0)}")
+                pieces.append(f"{name}={_named(v, name, tensors, 0, tree)}")
             except Unnamed as e:
                 if salt is not None:
                     continue  # the caller's salt names what this attribute changes
@@ -160,6 +189,24 @@ def settings_of(module: torch.nn.Module, where: str,
     return pieces, tensors
 
 
+def _hook(h: Any, tree: set) -> Any:
+    # torch's own hook objects (weight_norm's) compute from the module's state: their class
+    # names them; a function (yours) is named by its code, closure and all, and one bound
+    # to (or closing over) what the key cannot name (a callback counting calls) by its
+    # code alone: its presence is in the key, that object's state is not
+    if not isinstance(h, (types.FunctionType, types.MethodType)) and \
+            type(h).__module__.startswith("torch."):
+        return f"hook:{type(h).__module__}.{type(h).__qualname__}"
+    try:
+        _named(h, "hook", [], 1, tree)
+        return h
+    except Unnamed:
+        fn = getattr(h, "__func__", h)
+        code = getattr(fn, "__code__", None)
+        return (f"hook:{type(h).__qualname__}:{getattr(fn, '__qualname__', '')}:"
+                f"{code_digest(code) if code is not None else ''}")
+
+
 def _ours(k: str, v: Any) -> bool:
     # a forward installed on the instance (the cache's), or where its calls are routed (a
     # placed module's, or compile()'s): code, whose fingerprint is kept beside the value,
@@ -167,8 +214,9 @@ def _ours(k: str, v: Any) -> bool:
     return k in ("forward", ROUTED_CALL) and callable(v)
 
 
-def _named(v: Any, name: str, tensors: list, depth: int) -> str:
-    """A setting as text that differs whenever the value does."""
+def _named(v: Any, name: str, tensors: list, depth: int, tree: set | None = None) -> str:
+    """A setting as text that differs whenever the value does (``tree``: the ids of the
+    modules whose state is in the key; a module outside it cannot be named)."""
     if depth > _MAX_DEPTH:
         raise Unnamed(name, "structure nested too deep")
     if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
@@ -181,124 +229,25 @@ def _named(v: Any, name: str, tensors: list, depth: int) -> str:
         tensors.append((name, v))  # by content, with the state (deduplicated there)
         return f"tensor:{name}"
     if isinstance(v, weakref.ref):
-        return _named(v(), name, tensors, depth + 1)  # an RNN's _flat_weight_refs
+        return _named(v(), name, tensors, depth + 1, tree)  # an RNN's _flat_weight_refs
     if isinstance(v, torch.nn.Module):
+        if tree is not None and id(v) not in tree:  # in a list, bound: its state is not ours
+            raise Unnamed(name, f"{type(v).__name__} outside the module (its weights are "
+                          "not in the key)")
         return "module"  # walked as a module of its own
+    if isinstance(v, types.ModuleType) and module_is_yours(v):  # self.cfg = config
+        return "module:" + ",".join(  # its data, by value (read again at every call)
+            f"{k}={_named(x, f'{name}.{k}', tensors, depth + 1, tree)}"
+            for k, x in sorted(vars(v).items()) if not k.startswith("_") and not isinstance(
+                x, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType)))
+    if isinstance(v, types.MethodType):  # bound: what it is bound to is read too
+        return (f"method:{_named(v.__self__, f'{name}.__self__', tensors, depth + 1, tree)}"
+                f":{_named(v.__func__, name, tensors, depth + 1, tree)}")
     if isinstance(v, types.FunctionType):  # an activation held as a function, a lambda:
         # its code, constants, defaults and closure cells (by value, tensors as state)
         if not yours(v.__code__):  # an installed package's (F.relu): its version names it
             return f"code:{v.__module__}.{v.__qualname__}:{code_digest(v.__code__)}"
-        return function_text(v, name, depth, lambda x, w, d: _named(x, w, tensors, d))
-    again = lambda x, w, d: _named(x, w, tensors, d)  # noqa: E731
+        return function_text(v, name, depth, lambda x, w, d: _named(x, w, tensors, d, tree))
+    again = lambda x, w, d: _named(x, w, tensors, d, tree)  # noqa: E731
     text = structure_text(v, name, depth, again)
     return text if text is not None else name_value(v, name, depth, again)
-
-
-class Watch:
-    """Tells cheaply, at every call, whether what ``named_state`` read may have changed
-    since: a tensor written in place or replaced, a module swapped, an attribute set (by
-    identity: an equal value set again only costs a new digest)."""
-
-    def __init__(self, module: torch.nn.Module, state: list[tuple[str, torch.Tensor]]):
-        self.tensors = tuple(t for _, t in state)
-        self.versions = versions(self.tensors)
-        self.seen = _seen(module)
-        self.inner = _inner(module)  # what mutable attributes hold, by value
-        # the attributes whose value can change under its identity (the only ones _inner
-        # reads, while every attribute is the object it was: _same says so first)
-        self.maybe = [(m, k, v) for m in module.modules() for k, v in m.__dict__.items()
-                      if k not in _BOOKKEEPING and not _ours(k, v) and _may_mutate(v)]
-
-    def changed(self, module: torch.nn.Module) -> bool:
-        """Whether the module may compute differently than when this watch was set."""
-        return versions(self.tensors) != self.versions or not _same_now(
-            module, self.seen) or _inner_of(self.maybe) != self.inner
-
-
-def _mutable(v: Any) -> bool:
-    # what can change under an unchanged identity: its text is compared at every call
-    return isinstance(v, (types.FunctionType, types.MethodType)) or (
-        dataclasses.is_dataclass(v) and not isinstance(v, type)) or (
-        type(v) in (dict, list, set) and any(not isinstance(x, (int, float, str, bool))
-                                             for x in (*v, *(v.values() if type(v) is dict
-                                                             else ()))))
-
-
-def _may_mutate(v: Any) -> bool:
-    # what _mutable may say yes to (it looks at a container's content): by type alone
-    return isinstance(v, (types.FunctionType, types.MethodType)) or (
-        dataclasses.is_dataclass(v) and not isinstance(v, type)) or type(v) in (dict, list, set)
-
-
-def _inner(module: torch.nn.Module) -> list:
-    return _inner_of([(m, k, v) for m in module.modules() for k, v in m.__dict__.items()
-                      if k not in _BOOKKEEPING and not _ours(k, v)])
-
-
-def _inner_of(attrs: list) -> list:
-    out = []
-    for m, k, v in attrs:
-        if _mutable(v):
-            try:
-                out.append((id(m), k, _named(v, k, [], 0)))
-            except Unnamed:
-                out.append((id(m), k, None))
-    return out
-
-
-def _seen(module: torch.nn.Module) -> list:
-    # one pass: each module, its tensors by identity, and its own attributes with a
-    # shallow copy of the containers among them
-    return [(m, *own_tensors(m),
-             [(k, v, (*v, *v.values()) if type(v) is dict else tuple(v)
-               if type(v) is list else None)
-              for k, v in m.__dict__.items() if k not in _BOOKKEEPING])
-            for m in module.modules()]
-
-
-def _same_now(module: torch.nn.Module, then: list) -> bool:
-    """``_same(_seen(module), then)``, without making the list."""
-    n, i = len(then), 0
-    for m in module.modules():
-        if i == n:
-            return False
-        m0, ps0, bs0, items0 = then[i]
-        i += 1
-        if m is not m0:
-            return False
-        ps, bs = own_tensors(m)
-        if not _identical(ps, ps0) or not _identical(bs, bs0):
-            return False
-        j, left = 0, len(items0)
-        for k, v in m.__dict__.items():
-            if k in _BOOKKEEPING:
-                continue
-            if j == left:
-                return False
-            k0, v0, inner0 = items0[j]
-            j += 1
-            if k != k0 or v is not v0:
-                return False
-            if inner0 is not None and not _identical(
-                    (*v, *v.values()) if type(v) is dict else tuple(v), inner0):
-                return False
-        if j != left:
-            return False
-    return i == n
-
-
-def _same(now: list, then: list) -> bool:
-    if len(now) != len(then):
-        return False
-    for (m, ps, bs, items), (m0, ps0, bs0, items0) in zip(now, then, strict=True):
-        if m is not m0 or len(items) != len(items0) or not _identical(ps, ps0) or not (
-                _identical(bs, bs0)):
-            return False
-        for (k, v, inner), (k0, v0, inner0) in zip(items, items0, strict=True):
-            if k != k0 or v is not v0 or (inner is not None and not _identical(inner, inner0)):
-                return False
-    return True
-
-
-def _identical(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))

@@ -44,6 +44,7 @@ from .._private import first_device as _device_of
 from .._state import modules_of
 from ._cached import CachedForward, _refuse_trained_input
 from ._coupled import refuse_coupled, refuse_coupled_node
+from ._gather import gather
 
 CONTEXT = "somatize 2026-12 per-item key v1"
 NAMES, DTYPES = CODEC_DTYPES, TORCH_DTYPES  # the codec's one table: torch dtype <-> name
@@ -119,7 +120,7 @@ class PerItem:
         self.row: tuple[int, ...] | None = None  # the trailing shape of its output rows
         self.device: torch.device | None = None  # where its output lands
         self._items: Items | None = None
-        self._code_seen: set[str] = set()
+        self._code_seen: set[tuple] = set()
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_items": None, "_code_seen": set()}
@@ -130,8 +131,9 @@ class PerItem:
         if self._items is None:
             return None
         space = self._items.space(module_key(self.kind, state, self.salt), meta)
-        if space.key not in self._code_seen:  # once per module key in this process
-            self._code_seen.add(space.key)
+        seen = (space.key, meta.get("fingerprint"))
+        if seen not in self._code_seen:  # once per module key and code in this process
+            self._code_seen.add(seen)
             _check_code(self.name, self.kind, space.written_meta().get("fingerprint"),
                         meta.get("fingerprint"))
         return space
@@ -173,7 +175,7 @@ class PerItem:
         self.hits += nhit
         self.misses += n - nhit
         out = None
-        layout = (x.dtype, tuple(x.shape[1:]))  # what its rows' keys were derived under
+        layout = (space.key, x.dtype, tuple(x.shape[1:]))  # what its rows' keys are derived under
         if todo:
             sub = x if len(todo) == n else x[torch.tensor(todo, device=x.device)]
             out = self._checked(self._chunked(run, sub, x, todo), len(todo), rows if hit else None,
@@ -191,7 +193,7 @@ class PerItem:
         self.row = self.rows_of[layout]
         result = torch.empty((n, *self.row), dtype=dtype, device=dev)
         if hit and rows.codes is not None:
-            _gather(result, rows, dtype)
+            gather(result, rows, dtype)
         for buf, slots, at in rows.parts if hit else ():  # a pack's rows at once
             src = torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(-1, *rows.row)
             result[torch.tensor(slots, device=dev)] = src[torch.tensor(at)].to(dev)
@@ -273,17 +275,6 @@ class PerItem:
         return out
 
 
-def _gather(result: torch.Tensor, rows: Any, dtype: torch.dtype) -> None:
-    """Fill ``result`` with rows served from the arena (``rows.codes``: the row of each
-    slot there) in one ``index_select``."""
-    at = torch.frombuffer(rows.codes, dtype=torch.int64)
-    src = torch.frombuffer(rows.arena, dtype=torch.uint8).view(dtype).view(-1, *rows.row)
-    if result.device.type == "cpu":
-        torch.index_select(src, 0, at, out=result)
-    else:
-        result.copy_(src.index_select(0, at))
-
-
 def _given(n: int) -> str:
     return f" for the {n} rows it was given (misses are computed in chunks of {n})"
 
@@ -334,8 +325,8 @@ class PerItemForward(CachedForward):
                 ": per item takes one tensor whose dim 0 is the batch. Keep it per batch "
                 "(SomatizeCache without per_item=True)")
         _refuse_trained_input(self.path, args, kwargs)
-        refuse_coupled(self.module, self.path)
         if self._watch is None or self.reads is None or self._watch.changed(self.module):
+            refuse_coupled(self.module, self.path)  # a layer's train flag is watched too
             self.settle()  # its weights or settings were written: a new name
         out, _ = self.item(args[0], self.run, self.state(), {"fingerprint": self.code},
                            _device_of(self.module))
