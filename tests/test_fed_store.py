@@ -229,3 +229,29 @@ def test_a_study_a_store_cannot_name_is_refused_at_the_hub(tmp_path):
         StudyHub(cfg, store=tmp_path / "store")
     with pytest.raises(Refused, match="keep_rounds = -1"):
         StudyHub(StudyConfig.load(STUDY), store=tmp_path / "store", keep_rounds=-1)
+
+
+def test_a_round_whose_parts_an_averager_averaged_exports_the_shared_module_only_if_asked(
+        tmp_path, capsys):
+    from somatize.fed._rounds import keep_round
+
+    store = Store(tmp_path / "store")
+    trunk = {"weight": torch.arange(6.0).reshape(2, 3), "bias": torch.ones(2)}
+    assert keep_round(store, "split", 1, trunk, {}, averager="avg")  # the hub's record
+    with pytest.raises(Refused, match=r"averaged by its averager 'avg', not the hub.*"
+                                      r"shared_only=True"):
+        export_round(store, "split", "trunk", round=1)
+    state = export_round(store, "split", "trunk", round=1, shared_only=True)
+    assert set(state) == {"trunk.weight", "trunk.bias"}
+    assert torch.equal(state["trunk.weight"], trunk["weight"])
+    out = tmp_path / "r1.pt"
+    args = ["fed", "export", str(tmp_path / "store"), "split", "--shared", "trunk", "--out",
+            str(out)]
+    assert main(args) == 1 and "--shared-only" in capsys.readouterr().err
+    assert not out.exists()  # nothing written on a refusal
+    assert main([*args, "--shared-only"]) == 0
+    assert torch.equal(torch.load(out)["trunk.bias"], trunk["bias"])
+    # a hub that averages the parts itself says no averager: exported whole, as before
+    assert keep_round(store, "whole", 1, trunk, {"head.w": torch.zeros(1)})
+    assert set(export_round(store, "whole", "trunk", round=1)) == {
+        "trunk.weight", "trunk.bias", "head.w"}

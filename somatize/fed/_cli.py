@@ -94,6 +94,9 @@ def export_main(argv: list[str]) -> int:
                     help="the barrier after this many rounds (default: the latest kept)")
     ap.add_argument("--out", required=True,
                     help="FILE.pt (torch.save) or FILE.safetensors")
+    ap.add_argument("--shared-only", action="store_true",
+                    help="the shared module alone (a study whose averager of its own "
+                         "averaged the parts: the hub's store keeps no average)")
     args = ap.parse_args(argv)
     import torch
 
@@ -101,7 +104,8 @@ def export_main(argv: list[str]) -> int:
     from ._rounds import export_round
 
     try:
-        state = export_round(args.store, args.study, args.shared, args.round)
+        state = export_round(args.store, args.study, args.shared, args.round,
+                             shared_only=args.shared_only)
     except Refused as e:
         print(f"somatize fed export: {e}", file=sys.stderr)
         return 1

@@ -315,7 +315,7 @@ class StudyHub(Turns):
             write_round(self.dir, self.round, *self.state())
         if self.store is not None:
             keep_round(self.store, self.cfg.name, self.round, self.trunk.state_dict(),
-                       self.averaged, self.keep_rounds)
+                       self.averaged, self.keep_rounds, averager=self.cfg.averager or "")
 
     def _resume(self) -> None:
         if self.dir is None or not (self.dir / "latest").exists():

@@ -96,11 +96,13 @@ def check_keep(study: str, store: Any, keep: int) -> int:
 
 
 def keep_round(store: Any, study: str, round: int, shared: dict[str, torch.Tensor],
-               average: dict[str, torch.Tensor], keep: int = 0) -> str | None:
+               average: dict[str, torch.Tensor], keep: int = 0,
+               averager: str = "") -> str | None:
     """Keep the barrier before ``round`` in ``store`` (a ``Store`` or its path): the
     shared module's state and the FedAvg of the owners' parts, each tensor under its
     content's address, then the record naming them (last: a record never names what is
-    not kept). ``keep``: how many of the study's latest rounds ``gc`` keeps (0: all).
+    not kept). ``keep``: how many of the study's latest rounds ``gc`` keeps (0: all);
+    ``averager``: the study's averager of its own, which holds the parts' average.
     Returns the record's name, or None when something could not be kept (said)."""
     import somatize.torch  # noqa: F401 (the tensor codec)
 
@@ -119,21 +121,23 @@ def keep_round(store: Any, study: str, round: int, shared: dict[str, torch.Tenso
                             "be): it cannot be exported", study, round, store.path, k)
                 return None
             names[part][k] = got
-    value = record_value(study, round, keep, average_digest(average), **names)
+    value = record_value(study, round, keep, average_digest(average), **names,
+                         averager=averager)
     if not store.put(name, value, {**meta, "keep": str(keep)}):
         return None
     return name
 
 
-def export_round(store: Any, study: str, shared: str, round: int | None = None
-                 ) -> dict[str, torch.Tensor]:
+def export_round(store: Any, study: str, shared: str, round: int | None = None,
+                 shared_only: bool = False) -> dict[str, torch.Tensor]:
     """The model after ``round``'s barrier (the latest kept by default), read from
     ``store`` (a ``Store`` or its path) as one plain state_dict: the shared module under
     ``shared.`` (its path in the owners' model) and the round's FedAvg of the owners'
     parts under their own names. Each tensor is checked against its content address and
     the average against the ledger's digest of it. It loads into the LightningModule
     with plain ``load_state_dict`` (``strict=False`` when the study averages only some
-    parts)."""
+    parts). A study whose parts an averager of its own averaged keeps no average in the
+    hub's store: refused, unless ``shared_only`` (the shared module alone)."""
     import somatize.torch  # noqa: F401 (the tensor codec)
 
     from ..store import Store
@@ -152,6 +156,12 @@ def export_round(store: Any, study: str, shared: str, round: int | None = None
         raise Refused(f"store {store.path} keeps no round {round} of study {study!r} (it "
                       f"keeps rounds {have}; `somatize store verify {store.path}` says "
                       "whether one is damaged)")
+    if rec.averager and not shared_only:
+        raise Refused(f"study {study!r} round {round}: its owners' parts were averaged by "
+                      f"its averager {rec.averager!r}, not the hub, so store {store.path} "
+                      "keeps the shared module only; export that alone with "
+                      "shared_only=True (`somatize fed export ... --shared-only`) and load "
+                      "it with strict=False beside the parts an owner keeps")
     got: dict[str, dict[str, torch.Tensor]] = {"shared": {}, "average": {}}
     for part, names in (("shared", rec.shared), ("average", rec.average)):
         for k, name in names.items():

@@ -37,7 +37,8 @@ TENSOR_KIND = "fedavg"
 class RoundRecord:
     """What a round barrier kept: the shared module's state (``shared``) and the FedAvg of
     the owners' parts (``average``), each ``{entry: tensor name}``; ``digest``: the
-    ledger's digest of that average."""
+    ledger's digest of that average; ``averager``: the party that averaged the parts
+    instead of the hub ("" when the hub did: then ``average`` is all of it)."""
 
     name: str
     study: str
@@ -46,6 +47,7 @@ class RoundRecord:
     digest: str
     shared: Mapping[str, str]
     average: Mapping[str, str]
+    averager: str = ""
 
     def tensors(self) -> dict[str, str]:
         """``{"shared/<entry>" or "average/<entry>": tensor name}``."""
@@ -71,10 +73,11 @@ def parse_record_name(name: str) -> tuple[str, int] | None:
 
 
 def record_value(study: str, round: int, keep: int, digest: str,
-                 shared: Mapping[str, str], average: Mapping[str, str]) -> dict[str, Any]:
+                 shared: Mapping[str, str], average: Mapping[str, str],
+                 averager: str = "") -> dict[str, Any]:
     """The plain data a record holds (what ``read_record`` reads)."""
     return {"study": study, "round": int(round), "keep": int(keep), "digest": digest,
-            "shared": dict(shared), "average": dict(average)}
+            "shared": dict(shared), "average": dict(average), "averager": str(averager)}
 
 
 def read_record(store: Any, name: str) -> RoundRecord | None:
@@ -85,7 +88,7 @@ def read_record(store: Any, name: str) -> RoundRecord | None:
     v = kept.value if kept is not None else None
     try:
         rec = RoundRecord(name, v["study"], int(v["round"]), int(v["keep"]), str(v["digest"]),
-                          dict(v["shared"]), dict(v["average"]))
+                          dict(v["shared"]), dict(v["average"]), str(v.get("averager", "")))
     except (TypeError, KeyError, ValueError):
         return None
     names = list(rec.shared.values()) + list(rec.average.values())
