@@ -7,6 +7,9 @@
 # it in this process alone; arguments go to pytest (`bash scripts/test.sh tests/test_store.py -x`).
 source "$(dirname "$0")/venv.sh"
 cd "$root"
+# bytecode for somatize and the tests, once: every scenario and worker the tests start is a
+# fresh interpreter, which otherwise compiles them again where PYTHONDONTWRITEBYTECODE=1
+python -m compileall -q -j 0 somatize tests scripts >/dev/null 2>&1 || true
 n=${SOMATIZE_TEST_PROCESSES:-2}
 if [ "$n" = 1 ]; then
   exec python -m pytest "$@"

@@ -18,7 +18,7 @@ import pytest
 import torch
 from fed_models import ROWS, make_net, owner_loader, owner_seed
 
-from somatize import WorkerError
+from somatize import Refused, WorkerError
 from somatize.fed import HubRefused, StudyConfig, load_round, replay, simulate
 from somatize.fed._certs import issue, make_ca
 from somatize.fed._frames import decode
@@ -263,8 +263,10 @@ def test_v1_with_an_averager_of_its_own_equals_fedavg_and_the_hub_never_sees_a_p
         assert e["fields"]["rows"] == {"a": 24, "b": 16, "c": 8}[e["owner"]]
     from somatize.fed import export_round  # the hub's store holds the shared module only
 
-    assert not [k for k in export_round(d / "store", "avg", "trunk") if not k.startswith(
-        "trunk.")]
+    with pytest.raises(Refused, match="averaged by its averager 'averager', not the hub"):
+        export_round(d / "store", "avg", "trunk")  # never a partial model without a word
+    shared = export_round(d / "store", "avg", "trunk", shared_only=True)
+    assert shared and not [k for k in shared if not k.startswith("trunk.")]
 
 
 def test_v2_in_arrival_order_equals_the_replay_of_its_ledger(study):
