@@ -22,7 +22,9 @@ from types import CodeType
 class _Loader(importlib.machinery.SourceFileLoader):
     """A source loader answering ``get_code`` from the finder's code objects."""
 
-    codes: dict[str, tuple[tuple[int, int], CodeType]] = {}
+    def __init__(self, name: str, path: str, codes: dict | None = None):
+        super().__init__(name, path)  # (made again by its two arguments: its own codes)
+        self.codes = {} if codes is None else codes
 
     def get_code(self, fullname: str) -> CodeType | None:
         path = self.get_filename(fullname)
@@ -49,9 +51,7 @@ class _Finder:
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         loader = getattr(spec, "loader", None)
         if type(loader) is importlib.machinery.SourceFileLoader:
-            mine = _Loader(loader.name, loader.path)
-            mine.codes = self.somatize_codes
-            spec.loader = mine
+            spec.loader = _Loader(loader.name, loader.path, self.somatize_codes)
         return spec
 
 

@@ -46,15 +46,12 @@ class HoldsShift(nn.Module):
 
 @pytest.mark.parametrize("per_item", [False, True])
 @pytest.mark.parametrize("where", ["its own class", "a child's class"])
-def test_a_class_attribute_set_mid_run_is_a_miss(tmp_path, per_item, where):
+def test_a_class_attribute_set_mid_run_is_a_miss(tmp_path, monkeypatch, per_item, where):
     cls, attr = (Gained, "GAIN") if where == "its own class" else (Shift, "BY")
     m, plain = cached(Gained() if cls is Gained else HoldsShift(), tmp_path, per_item)
     check_fresh(m, plain)
-    setattr(cls, attr, 2.0)
-    try:
-        check_fresh(m, plain)
-    finally:
-        setattr(cls, attr, 1.0 if cls is Gained else 0.0)
+    monkeypatch.setattr(cls, attr, 2.0)
+    check_fresh(m, plain)
 
 
 class CallsThroughModule(nn.Module):
@@ -66,14 +63,12 @@ class CallsThroughModule(nn.Module):
         return reads_config.shift(self.lin(x))  # reads reads_config.SHIFT in there
 
 
-def test_a_global_read_by_a_helper_reached_through_its_module_is_in_the_key(tmp_path):
+def test_a_global_read_by_a_helper_reached_through_its_module_is_in_the_key(tmp_path,
+                                                                            monkeypatch):
     m, plain = cached(CallsThroughModule(), tmp_path)
     check_fresh(m, plain)
-    reads_config.SHIFT = 1.5
-    try:
-        check_fresh(m, plain)
-    finally:
-        reads_config.SHIFT = 0.0
+    monkeypatch.setattr(reads_config, "SHIFT", 1.5)
+    check_fresh(m, plain)
 
 
 class Scaler:

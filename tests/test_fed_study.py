@@ -221,17 +221,23 @@ def test_a_study_of_one_owner_equals_plain_lightning(study, name):
     _same(trunk, {k[6:]: v for k, v in want.items() if k.startswith("trunk.")})
 
 
-def test_v1_with_three_owners_of_unequal_rows_equals_fedavg_of_plain_fits(study):
-    d = study["dir"]
-    assert len({ROWS[o] for o in "abc"}) == 3
+def _equals_fedavg_of_plain_fits(d, study):
+    """Each of a, b and c's parts and the hub's trunk after ``study``'s 2 rounds are
+    FedAvg of three plain fits, averaged by rows."""
     ref = _fedavg(d, 2)
     for o in "abc":
-        _same(_run(d, "v1", o)["state"],
+        _same(_run(d, study, o)["state"],
               {k: v for k, v in ref.items() if not k.startswith("trunk.")})
-    trunk, ledger = load_round(d / "ck", "v1")
+    trunk, ledger = load_round(d / "ck", study)
     _same(trunk, {k[6:]: v for k, v in ref.items() if k.startswith("trunk.")})
     assert [e["rows"] for e in ledger if e["kind"] == "average"] == [
         {"a": 24, "b": 16, "c": 8}] * 2
+
+
+def test_v1_with_three_owners_of_unequal_rows_equals_fedavg_of_plain_fits(study):
+    d = study["dir"]
+    assert len({ROWS[o] for o in "abc"}) == 3
+    _equals_fedavg_of_plain_fits(d, "v1")
 
 
 def test_v1_with_an_averager_of_its_own_equals_fedavg_and_the_hub_never_sees_a_part(study):
@@ -239,14 +245,7 @@ def test_v1_with_an_averager_of_its_own_equals_fedavg_and_the_hub_never_sees_a_p
     # hub --average-only, its own certificate) at the barrier, with its rows and the
     # owners the hub averaged; the result is the hub's study's: FedAvg of plain fits
     d = study["dir"]
-    ref = _fedavg(d, 2)
-    for o in "abc":
-        _same(_run(d, "avg", o)["state"],
-              {k: v for k, v in ref.items() if not k.startswith("trunk.")})
-    trunk, ledger = load_round(d / "ck", "avg")
-    _same(trunk, {k[6:]: v for k, v in ref.items() if k.startswith("trunk.")})
-    assert [e["rows"] for e in ledger if e["kind"] == "average"] == [
-        {"a": 24, "b": 16, "c": 8}] * 2
+    _equals_fedavg_of_plain_fits(d, "avg")
     hub = [json.loads(line) for line in (d / "audit.jsonl").read_text().splitlines()]
     hub = [e for e in hub if e.get("fields", {}).get("study") == "avg"]
     assert {e["kind"] for e in hub} == {"Attach", "Forward", "Backward", "RoundEnd"}
