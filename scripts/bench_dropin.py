@@ -20,7 +20,9 @@ median of ``rpc_sync(worker, noop)`` at each timed epoch's end), each round agai
 own plain fit; the median over rounds is reported, with every round's. Also counted: the
 messages the strategy sent the worker per step (a call; its backward goes with the next
 one), and what one call costs with nothing in it (``runtime.call(worker, id)``: the
-function named, the session looked up).
+function named, the session looked up, the worker's compute thread woken). Beside them,
+the cut's own cost with no transport (``cut_cost``: the same steps in plain PyTorch in
+this process, whole and cut), and the floor they make: an empty call plus the cut.
 """
 
 from __future__ import annotations
@@ -102,6 +104,62 @@ class Clock(pl.Callback):
                                           self.repeats))
         # id(live): a function the worker imports (one defined here would travel by value)
         self.generic.append(median_ms(lambda: runtime.call("worker", id), self.repeats))
+
+
+def cut_cost(repeats: int = 9) -> float:
+    """What cutting the autoencoder costs with no transport at all, in this process (ms a
+    step): its steps in plain PyTorch, whole against cut where a placed fit cuts it (the
+    encoder's output detached; its backward, Adam step and zero_grad done apart, a step
+    late, as the worker does them). Alternated, median of ``repeats``."""
+    import torch.nn.functional as F
+
+    x = data().dataset.tensors[0]
+    batches = [x[i:i + 16] for i in range(0, len(x) - 15, 16)]
+
+    def whole():
+        m = AutoEncoder()
+        opt = m.configure_optimizers()["optimizer"]
+
+        def step(b):
+            loss = F.mse_loss(m.decoder(m.encoder(b)), b)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return step
+
+    def cut():
+        m = AutoEncoder()
+        enc = torch.optim.Adam(m.encoder.parameters(), lr=3e-3)
+        dec = torch.optim.Adam(m.decoder.parameters(), lr=1e-3)
+        late: list = []  # the encoder's output and its gradient, for the next step
+
+        def step(b):
+            if late:  # over there: the last step's backward and step, then this forward
+                out, grad = late.pop()
+                out.backward(grad)
+                enc.step()
+                enc.zero_grad()
+            out = m.encoder(b)
+            h = out.detach().requires_grad_()
+            loss = F.mse_loss(m.decoder(h), b)
+            dec.zero_grad()
+            loss.backward()
+            dec.step()
+            late.append((out, h.grad))
+        return step
+
+    def ms(make) -> float:
+        torch.manual_seed(0)
+        step = make()
+        for b in batches[:20]:
+            step(b)
+        t = time.perf_counter()
+        for b in batches:
+            step(b)
+        return (time.perf_counter() - t) / len(batches) * 1e3
+
+    got = [(ms(whole), ms(cut)) for _ in range(repeats)]
+    return statistics.median(c - w for w, c in got)
 
 
 def data() -> tud.DataLoader:
@@ -303,6 +361,7 @@ def main() -> int:
                                                        split.round_trips, split.generic)])
         calls, batches = calls + split.calls, batches + split.batches
     p, s, rt, g = (statistics.median(r[i] for r in rounds) for i in range(4))
+    cut = cut_cost()
     over = sorted((r[1] - r[0]) / r[2] for r in rounds)  # each round against its own
     print(f"$ {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     print(f"autoencoder (tests/dropin_models.py), batch 16, {args.rounds} rounds of "
@@ -320,6 +379,12 @@ def main() -> int:
           f"{2.5 if clip else 1.5})")
     print(f"{'messages to the worker':>34}: {calls / max(batches, 1):.2f} per step; an empty call "
           f"(runtime.call) costs {g:.3f} ms = {g / rt:.2f} round trips")
+    floor = g / rt + cut / rt
+    print(f"{'the cut alone, no transport':>34}: {cut:7.3f} ms/step = {cut / rt:.2f} round trips "
+          "(this process, plain PyTorch: the encoder's backward and Adam step apart)")
+    print(f"{'floor of this design':>34}: {floor:.2f} round trips (an empty call + the cut); "
+          f"over it: {statistics.median(over) - floor:.2f} (somatize's own work a step on both "
+          "sides, the call's tensors and ops, and the worker's ops run after it idled)")
     return 0
 
 

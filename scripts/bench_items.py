@@ -106,6 +106,7 @@ def bench_epoch(root: Path, epochs: int, rounds: int) -> float:
     mkey = module_key("Sequential", "s", None)
     hashing = median_ms(lambda: [item_keys(mkey, x[i:i + BATCH]) for i in range(0, ROWS, BATCH)],
                         5)
+    copying = median_ms(lambda: gather_rows(feats), 5)
     c, p = statistics.median(cached), statistics.median(pre)
     print(f"1. epoch of {BATCHES} shuffled batches of {BATCH} under lightning.Trainer (median of "
           f"epochs 2-{epochs} of {rounds} fits each, alternated):")
@@ -114,11 +115,31 @@ def bench_epoch(root: Path, epochs: int, rounds: int) -> float:
           "(target <= 1.3x)")
     print(f"     of which the input's per-item keys   {hashing:8.1f} ms   "
           f"(without them {(c - hashing / 1e3) / p:.2f}x)")
+    print(f"     and the served rows' copy            {copying:8.1f} ms   (without both "
+          f"{(c - (hashing + copying) / 1e3) / p:.2f}x: the floor of a hit is the two, "
+          f"{1 + (hashing + copying) / 1e3 / p:.2f}x)")
     print(f"   uncached (backbone runs every batch)   {statistics.median(plain) * 1e3:8.1f} ms")
     hits, misses = sum(k.hits for k in caches), sum(k.misses for k in caches)
     print(f"   first (filling) epoch                   {first * 1e3:8.1f} ms; hits/misses "
           f"over the fits {hits}/{misses}")
     return c / p
+
+
+def gather_rows(feats: torch.Tensor) -> None:
+    """What a cached epoch copies: each batch's 256 output rows, in shuffled order, from
+    rows held in memory into a fresh tensor (one native call a batch, as a hit does)."""
+    from somatize.store._rows import gather_function
+
+    fn = gather_function()
+    order = torch.randperm(ROWS, generator=torch.Generator().manual_seed(4))
+    rb = feats.element_size() * feats.shape[1]
+    for i in range(0, ROWS, BATCH):
+        at = order[i:i + BATCH].contiguous()
+        out = torch.empty(BATCH, feats.shape[1], dtype=feats.dtype)
+        if fn is None:
+            torch.index_select(feats, 0, at, out=out)
+        else:
+            fn(out.data_ptr(), feats.data_ptr(), ROWS, at.data_ptr(), BATCH, rb)
 
 
 def bench_keys(repeats: int) -> float:
