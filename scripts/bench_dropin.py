@@ -162,6 +162,31 @@ def cut_cost(repeats: int = 9) -> float:
     return statistics.median(c - w for w, c in got)
 
 
+def wake_us(n: int = 100) -> float:
+    """How long a thread takes to run again once another releases the lock it waits on
+    (after 5 ms asleep, as a worker's threads sleep between calls), median in us: what
+    each hand-off between threads costs here. A bare rpc_sync wakes a few threads on
+    each side; a placed call two more over there (the compute thread, and back), and one
+    more here (an interruptible wait)."""
+    import threading
+
+    def release(lock, at):
+        time.sleep(0.005)
+        at[0] = time.perf_counter()
+        lock.release()
+
+    got = []
+    for _ in range(n):
+        lock, at = threading.Lock(), [0.0]
+        lock.acquire()
+        t = threading.Thread(target=release, args=(lock, at))
+        t.start()
+        lock.acquire()
+        got.append(time.perf_counter() - at[0])
+        t.join()
+    return statistics.median(got) * 1e6
+
+
 def data() -> tud.DataLoader:
     from sklearn.datasets import load_digits
 
@@ -361,7 +386,7 @@ def main() -> int:
                                                        split.round_trips, split.generic)])
         calls, batches = calls + split.calls, batches + split.batches
     p, s, rt, g = (statistics.median(r[i] for r in rounds) for i in range(4))
-    cut = cut_cost()
+    cut, wake = cut_cost(), wake_us()
     over = sorted((r[1] - r[0]) / r[2] for r in rounds)  # each round against its own
     print(f"$ {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     print(f"autoencoder (tests/dropin_models.py), batch 16, {args.rounds} rounds of "
@@ -380,6 +405,8 @@ def main() -> int:
     print(f"{'messages to the worker':>34}: {calls / max(batches, 1):.2f} per step; an empty call "
           f"(runtime.call) costs {g:.3f} ms = {g / rt:.2f} round trips")
     floor = g / rt + cut / rt
+    print(f"{'a thread woken here':>34}: {wake:7.0f} us (a lock released by another thread; "
+          "an empty call wakes three more threads than a bare rpc_sync)")
     print(f"{'the cut alone, no transport':>34}: {cut:7.3f} ms/step = {cut / rt:.2f} round trips "
           "(this process, plain PyTorch: the encoder's backward and Adam step apart)")
     print(f"{'floor of this design':>34}: {floor:.2f} round trips (an empty call + the cut); "
