@@ -29,7 +29,9 @@ class Probe(nn.Module):
                 "precision": torch.get_float32_matmul_precision(),
                 "deterministic": torch.are_deterministic_algorithms_enabled(),
                 "benchmark": torch._C._get_cudnn_benchmark(),  # (a CudnnModule does not pickle)
-                "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+                "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+                "mkldnn": torch.backends.mkldnn.enabled,
+                "fastpath": torch.backends.mha.get_fastpath_enabled()}
 
 
 class Settings(pl.LightningModule):
@@ -49,6 +51,9 @@ class Settings(pl.LightningModule):
         torch.set_float32_matmul_precision(precision)
         torch.use_deterministic_algorithms(deterministic)
         torch.backends.cudnn.benchmark = benchmark
+        # the CPU's own: oneDNN's convolutions, attention's fast path
+        torch.backends.mkldnn.enabled = benchmark
+        torch.backends.mha.set_fastpath_enabled(deterministic)
         if deterministic:  # as Lightning's deterministic=True does, for cuBLAS
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         else:
@@ -58,7 +63,7 @@ class Settings(pl.LightningModule):
         x = batch[0]
         out = self.encoder(x)
         self.seen.append((out["threads"], out["precision"], out["deterministic"],
-                          out["benchmark"], out["cublas"]))
+                          out["benchmark"], out["cublas"], out["mkldnn"], out["fastpath"]))
         return F.mse_loss(self.head(out["y"]), x)
 
     def configure_optimizers(self):
@@ -80,6 +85,8 @@ def settings(out):
     torch.set_float32_matmul_precision("highest")
     torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.benchmark = False
+    torch.backends.mkldnn.enabled = True
+    torch.backends.mha.set_fastpath_enabled(True)
     os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
     torch.save(seen, out)
 

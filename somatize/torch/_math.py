@@ -57,6 +57,16 @@ _MATH = [
     *[_attr(f"backends.{api}.fp32_precision")
       for api in ("cuda.matmul", "cudnn.conv", "cudnn.rnn", "mkldnn.matmul", "mkldnn.conv",
                   "mkldnn.rnn")],
+    # the CPU's: oneDNN on or off picks another convolution (other last bits), einsum's
+    # contraction order, the fast path of nn.MultiheadAttention and TransformerEncoderLayer,
+    # the quantized engine
+    _attr("backends.mkldnn.enabled"),
+    _attr("backends.mkldnn.deterministic"),
+    _attr("backends.opt_einsum.enabled"),
+    _attr("backends.opt_einsum.strategy"),
+    ("backends.mha.fastpath", torch.backends.mha.get_fastpath_enabled,
+     torch.backends.mha.set_fastpath_enabled),
+    _attr("backends.quantized.engine"),
 ]
 _WRITERS = {name: (read, write) for name, read, write in _MATH}
 
