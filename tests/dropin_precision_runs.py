@@ -16,6 +16,8 @@ from torch.nn import functional as F
 
 from somatize.lightning import SomatizeStrategy
 
+_TINY = [1e-310]  # a subnormal double, read as zero where denormals are flushed
+
 
 class Probe(nn.Module):
     """Answers, beside its output, the math settings of the process it runs in."""
@@ -31,7 +33,8 @@ class Probe(nn.Module):
                 "benchmark": torch._C._get_cudnn_benchmark(),  # (a CudnnModule does not pickle)
                 "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                 "mkldnn": torch.backends.mkldnn.enabled,
-                "fastpath": torch.backends.mha.get_fastpath_enabled()}
+                "fastpath": torch.backends.mha.get_fastpath_enabled(),
+                "flush": _TINY[0] * 1.0 == 0.0}
 
 
 class Settings(pl.LightningModule):
@@ -54,6 +57,7 @@ class Settings(pl.LightningModule):
         # the CPU's own: oneDNN's convolutions, attention's fast path
         torch.backends.mkldnn.enabled = benchmark
         torch.backends.mha.set_fastpath_enabled(deterministic)
+        torch.set_flush_denormal(not benchmark)
         if deterministic:  # as Lightning's deterministic=True does, for cuBLAS
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         else:
@@ -63,7 +67,8 @@ class Settings(pl.LightningModule):
         x = batch[0]
         out = self.encoder(x)
         self.seen.append((out["threads"], out["precision"], out["deterministic"],
-                          out["benchmark"], out["cublas"], out["mkldnn"], out["fastpath"]))
+                          out["benchmark"], out["cublas"], out["mkldnn"], out["fastpath"],
+                          out["flush"]))
         return F.mse_loss(self.head(out["y"]), x)
 
     def configure_optimizers(self):
@@ -87,6 +92,7 @@ def settings(out):
     torch.backends.cudnn.benchmark = False
     torch.backends.mkldnn.enabled = True
     torch.backends.mha.set_fastpath_enabled(True)
+    torch.set_flush_denormal(False)
     os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
     torch.save(seen, out)
 

@@ -29,6 +29,15 @@ def _attr(path: str) -> tuple[str, Callable, Callable]:
     return (path, functools.partial(read, torch), lambda v: setattr(where(torch), name, v))
 
 
+_TINY = [1e-310]  # a subnormal double: read as zero where denormals are flushed
+
+
+def _flushing() -> bool:
+    """Whether this thread flushes denormals to zero (``torch.set_flush_denormal(True)``:
+    torch offers no read of it, but the CPU's own float math shows it)."""
+    return _TINY[0] * 1.0 == 0.0
+
+
 def _set_env(name: str, value: str | None) -> None:
     if value is None:
         os.environ.pop(name, None)
@@ -67,6 +76,7 @@ _MATH = [
     ("backends.mha.fastpath", torch.backends.mha.get_fastpath_enabled,
      torch.backends.mha.set_fastpath_enabled),
     _attr("backends.quantized.engine"),
+    ("flush_denormal", _flushing, torch.set_flush_denormal),
 ]
 _WRITERS = {name: (read, write) for name, read, write in _MATH}
 
