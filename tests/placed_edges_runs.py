@@ -12,6 +12,7 @@ import contextvars
 import enum
 import functools
 import os
+import random
 import sys
 import threading
 
@@ -252,6 +253,37 @@ class Sequential(Base):
 
 def hook_outside(out):
     refused(Sequential, out, max_steps=3, callbacks=[HookWritesOutside()])
+
+
+class LayerDrop(nn.Module):
+    """Older Hugging Face layerdrop: in training, a layer is skipped when a draw from a
+    global generator (Python's random.uniform, or numpy's) is under p."""
+
+    def __init__(self, draw):
+        super().__init__()
+        self.first, self.last = nn.Linear(64, 64), nn.Linear(64, 8)
+        self.draw = draw
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        if self.training and (random.uniform(0, 1) if self.draw == "random"
+                              else np.random.uniform(0, 1)) < 0.5:
+            h = x  # the layer dropped
+        return self.last(h)
+
+
+class Drawing(Base):
+    def __init__(self, draw):
+        super().__init__()
+        self.encoder = LayerDrop(draw)
+
+
+def draws_random(out):
+    refused(lambda: Drawing("random"), out, max_steps=3)
+
+
+def draws_numpy(out):
+    refused(lambda: Drawing("numpy"), out, max_steps=3)
 
 
 COLLECTOR = contextvars.ContextVar("collector", default=None)

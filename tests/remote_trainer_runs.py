@@ -17,7 +17,7 @@ from models import Body, Head, Pre, batches, twins
 from oracle import same, weights
 from torch.nn.functional import cross_entropy
 
-from somatize import Graph
+from somatize import Graph, Refused
 from somatize.torch import Split, Trainer, parameters
 
 
@@ -196,6 +196,15 @@ class Picky(Body):
         return super().forward(x, ctx)
 
 
+class Dicey(Body):
+    """The body, with a layerdrop drawn from Python's global generator (where it runs)."""
+
+    def forward(self, x, ctx):
+        import random
+
+        return x if random.random() < 0.5 else super().forward(x, ctx)
+
+
 class Strange(Exception):
     """An exception of the script's own (it travels by value)."""
 
@@ -232,6 +241,11 @@ def raised_there() -> None:
             g.forward(nan)
         except ValueError as e:
             got["forward"] = _one_way(e, "picky", ValueError, 'raise ValueError("a NaN')
+    with Graph.somatize(Dicey(seed=None).at("gpu") >> Head(seed=None)) as g:
+        try:
+            g.forward(x)
+        except Refused as e:
+            got["drawn"] = {"type": type(e).__name__, "message": str(e), "cause": ""}
     g = Graph.somatize(Picky(seed=None).at("gpu") >> Head(seed=None))
     with Trainer(g, cross_entropy, _sgd(parameters(g))) as t:  # picky mirrored
         t.step((x, y))

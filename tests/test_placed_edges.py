@@ -16,7 +16,7 @@ CASES = ["attributes", "unpicklable", "structure", "hooks", "hook_outside", "con
          "pinn", "heat", "two_answers", "stem_penalty", "wgan", "twice", "fgsm", "residual",
          "fan_out", "compiled_before",
          "kv_cache", "raised", "module_list", "generator_argument", "parametrized",
-         "weight_norm_hook"]
+         "weight_norm_hook", "draws_random", "draws_numpy"]
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +66,16 @@ def test_a_childs_hook_that_writes_outside_its_module_is_refused_at_that_call(ra
     assert said.startswith("a hook on encoder.1, HookWritesOutside.on_train_batch_start.")
     assert "placed_edges_runs.py" in said and "changed 'FEATURES' (outside the module)" in said
     assert "Set what the hook records as an attribute of its module" in said
+
+
+@pytest.mark.parametrize("case,which", [("draws_random", "Python's random"),
+                                        ("draws_numpy", "numpy.random")])
+def test_a_forward_that_draws_from_a_global_generator_over_there_is_refused(ran, case, which):
+    # older Hugging Face layerdrop: random.uniform(0, 1) < p in the forward. Their states
+    # here do not travel (torch's does): over there it would draw other numbers
+    said = ran(case)["said"]
+    assert said.startswith(f"the forward of 'encoder' drew from {which} (its global generator)")
+    assert "torch.rand(()) < p" in said and "leave 'encoder' unplaced" in said
 
 
 def test_hooks_that_read_a_context_variable_of_this_process_read_its_value_there(ran):

@@ -50,7 +50,11 @@ def test_a_nodes_value_error_on_the_worker_is_a_value_error_here_with_its_traceb
     # in g.forward, in Trainer.step (the run goes on after it) and a trainer's own
     # exception in its learn: the type raised over there, the worker's traceback its cause
     got = json.loads(coordinate("raised_there", cwd=tmp_path, timeout=120).splitlines()[-1])
-    assert got.keys() == {"forward", "step", "then", "learn"}
+    assert got.keys() == {"forward", "step", "then", "learn", "drawn"}
+    # a node whose forward draws from Python's random over there: refused, named
+    assert got["drawn"]["type"] == "Refused"
+    assert got["drawn"]["message"].startswith(
+        "node 'dicey' drew from Python's random (its global generator) on the worker")
     for what in ("forward", "step"):
         assert got[what]["type"] == "ValueError"
         assert got[what]["message"].startswith(

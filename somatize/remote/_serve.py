@@ -116,6 +116,7 @@ def close(session: str) -> None:
     """Forget the session's graph (and every object that lived in it)."""
     with _lock:
         _sessions.pop(session, None)
+        _drawn.pop(session, None)
     with _turns:
         _turn[session] = _CLOSED  # a call still waiting for its turn is answered, not run
         _turns.notify_all()
@@ -179,7 +180,11 @@ def trace(lane: str | None) -> list:
     return got
 
 
+_drawn: dict[str, dict] = {}  # session -> how many of its stretches ran (_draws.seen)
+
+
 def _run(session: str, stretch: Any) -> Any:
+    from .._draws import refuse_drawn, seen
     from .._engine import walk
     from ._wire import resolve, travelling
 
@@ -189,10 +194,14 @@ def _run(session: str, stretch: Any) -> Any:
                       "")
     try:
         given = {p: resolve(v) for p, v in stretch.given.items()}
+        drawn = seen(_drawn.setdefault(session, {}))
         out = walk(graph, stretch.nodes, inputs=stretch.inputs, given=given,
                    given_keys=stretch.given_keys, here=stretch.host, keeper=_keeper,
                    naming=stretch.naming, training=stretch.training,
                    wanted=stretch.wanted)
+        nodes = ", ".join(map(repr, stretch.nodes))
+        refuse_drawn(f"node {nodes}" if len(stretch.nodes) == 1 else f"nodes {nodes}",
+                     nodes, drawn)
     except BaseException as e:  # answered, never raised: the coordinator names the node
         return _failed(e, _failing_node(e))
     return travelling(graph, out, stretch)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ..._draws import refuse_drawn, seen
 from ..._errors import Refused, WorkerError
 from ..._trace import span
 from .._module import ModuleNode
@@ -176,6 +177,7 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
     held = [looks(modules[i].__dict__.get(k)) for i, k in deep]
     # the module's own hooks ran here, around this call: its forward alone runs here
     forward = placed.module.forward
+    drawn = seen(placed.__dict__)
     with span(f"forward {name}", "node"), _set(carried):
         if call.inference:
             with torch.inference_mode():
@@ -183,6 +185,7 @@ def _run_call(placed: Any, name: str, call: Call, tensors: list, spec: Any,
         else:
             with torch.set_grad_enabled(call.grad):
                 out = forward(*args, **kwargs)
+    refuse_drawn(f"the forward of {name!r}", repr(name), drawn)
     for (where, hook, what, o), then in zip(watch, looked, strict=True):
         if looks(o) != then:
             raise Refused(
