@@ -16,7 +16,7 @@ CASES = ["attributes", "unpicklable", "structure", "hooks", "hook_outside", "con
          "pinn", "heat", "two_answers", "stem_penalty", "wgan", "twice", "fgsm", "residual",
          "fan_out", "compiled_before",
          "kv_cache", "raised", "module_list", "generator_argument", "parametrized",
-         "weight_norm_hook", "draws_random", "draws_numpy"]
+         "weight_norm_hook", "draws_random", "draws_numpy", "global_hook"]
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +76,14 @@ def test_a_forward_that_draws_from_a_global_generator_over_there_is_refused(ran,
     said = ran(case)["said"]
     assert said.startswith(f"the forward of 'encoder' drew from {which} (its global generator)")
     assert "torch.rand(()) < p" in said and "leave 'encoder' unplaced" in said
+
+
+def test_a_hook_every_module_runs_is_refused_naming_the_placed_module(ran):
+    # it would run around the module here, never around its children over there
+    said = ran("global_hook")["said"]
+    assert said.startswith("a forward hook registered for every module is on here")
+    assert "not around its children, which run on worker 'worker'" in said
+    assert "leave 'encoder' unplaced" in said
 
 
 def test_hooks_that_read_a_context_variable_of_this_process_read_its_value_there(ran):

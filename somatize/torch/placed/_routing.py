@@ -25,7 +25,16 @@ import torch
 
 from ..._errors import Refused
 from .._pickling import dumps, token
-from .._private import hook_count, hook_dicts, hooks_of, own_call, route_calls, routed_to, set_hooks
+from .._private import (
+    global_forward_hooks,
+    hook_count,
+    hook_dicts,
+    hooks_of,
+    own_call,
+    route_calls,
+    routed_to,
+    set_hooks,
+)
 from ._reach import contexts
 
 _NO = object()
@@ -141,7 +150,16 @@ class Routing:
 
     def hooks(self, ops: list) -> None:
         """Queue the hooks put on children here (or removed) since the module was sent:
-        they run over there, where the children run."""
+        they run over there, where the children run. A hook registered for every module
+        is refused: it would run around the module here, never around its children."""
+        if global_forward_hooks():
+            name = self.link.name
+            raise Refused(
+                f"a forward hook registered for every module is on here "
+                f"(torch.nn.modules.module.register_module_forward_hook or _pre_hook): it runs "
+                f"around {name!r} itself here, but not around its children, which run on "
+                f"worker {self.link.host!r}. Register it on the modules it is for (a hook put "
+                f"on a child of {name!r} runs there), or leave {name!r} unplaced")
         lengths = list(map(len, self.dicts))  # (at C speed: nothing put, nothing to do)
         if lengths == self.lengths:
             return
