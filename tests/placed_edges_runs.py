@@ -295,6 +295,47 @@ def global_hook(out):
         handle.remove()
 
 
+GAIN = 1.0  # a module-level setting the encoder's forward reads
+
+
+class Gained(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 8)
+
+    def forward(self, x):
+        return self.lin(x) * GAIN
+
+
+class SetsGain(pl.Callback):
+    """Sets the global before each batch: to a new value, or to the same one again."""
+
+    def __init__(self, new):
+        self.new = new
+
+    def on_train_batch_start(self, trainer, pl_module, batch, i):
+        global GAIN
+        GAIN = float(1 + i) if self.new else float(str(GAIN))  # another object, same value
+
+
+class Gains(Base):
+    def __init__(self):
+        super().__init__()
+        self.encoder = Gained()
+
+
+def global_rebound(out):
+    global GAIN
+    GAIN = 1.0
+    refused(Gains, out, max_steps=3, callbacks=[SetsGain(new=True)])
+
+
+def global_same(out):
+    global GAIN
+    GAIN = 1.0
+    refused(Gains, out, max_steps=3, callbacks=[SetsGain(new=False)])
+
+
 COLLECTOR = contextvars.ContextVar("collector", default=None)
 
 

@@ -16,7 +16,8 @@ CASES = ["attributes", "unpicklable", "structure", "hooks", "hook_outside", "con
          "pinn", "heat", "two_answers", "stem_penalty", "wgan", "twice", "fgsm", "residual",
          "fan_out", "compiled_before",
          "kv_cache", "raised", "module_list", "generator_argument", "parametrized",
-         "weight_norm_hook", "draws_random", "draws_numpy", "global_hook"]
+         "weight_norm_hook", "draws_random", "draws_numpy", "global_hook",
+         "global_rebound", "global_same"]
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,16 @@ def test_a_hook_every_module_runs_is_refused_naming_the_placed_module(ran):
     assert said.startswith("a forward hook registered for every module is on here")
     assert "not around its children, which run on worker 'worker'" in said
     assert "leave 'encoder' unplaced" in said
+
+
+def test_a_global_the_placed_forward_reads_rebound_here_mid_fit_is_refused_naming_it(ran):
+    # the worker has its own copy of the script's globals: GAIN = 2.0 here is not seen there
+    said = ran("global_rebound")["said"]
+    assert said.startswith("Gained.forward reads the global 'GAIN', which was set here to 2.0 "
+                           "(it was 1.0 when 'encoder' was placed on worker 'worker')")
+    assert "Make it an attribute of the module" in said and "leave 'encoder' unplaced" in said
+    # set again to an equal value before each batch: nothing to refuse
+    assert ran("global_same")["said"] == ""
 
 
 def test_hooks_that_read_a_context_variable_of_this_process_read_its_value_there(ran):

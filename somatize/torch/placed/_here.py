@@ -31,6 +31,7 @@ from .._private import engine_will_run, plainly
 from .._raised import Raised, rebuilt
 from .._state import restore
 from ._fresh import fresh, unfresh
+from ._globals import Watched
 from ._joins import defer, waited
 from ._messages import Bare, Call, Pickled, Same, pack, spread, unpack
 from ._module_ops import Free, Sent
@@ -162,11 +163,13 @@ class Link:
         self.stale = False  # the weights here are behind the ones over there
         self.draws: Any = None  # () -> the seed of the next call, when no RNG state is sent
         self.waiting: dict = {}  # call -> (pass, backwards joining its own: _joins)
+        self.globals: Watched | None = None  # at install: what its code reads, as sent
 
     # -- installing --------------------------------------------------------------------
     def install(self) -> None:
         """Route the module's calls to the worker, its children's refused here."""
         self.routing.install()
+        self.globals = Watched(self.module)
         self.sent = Sent(self.module, self.name, self._restructured)
         self.buffered = any(True for _ in self.module.buffers())
         fresh(self)  # its weights here answer reads current
@@ -183,6 +186,8 @@ class Link:
 
     # -- a call --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.globals is not None:  # one rebound here would not be seen there
+            self.globals.check(self.name, self.host)
         sent = self.sent
         sent.writes(self.ops)
         self.routing.hooks(self.ops)  # put on its children here since: they run there
