@@ -296,6 +296,7 @@ def global_hook(out):
 
 
 GAIN = 1.0  # a module-level setting the encoder's forward reads
+CFG = {"shift": 0.0}  # and a config dict it reads an entry of
 
 
 class Gained(nn.Module):
@@ -304,7 +305,7 @@ class Gained(nn.Module):
         self.lin = nn.Linear(64, 8)
 
     def forward(self, x):
-        return self.lin(x) * GAIN
+        return self.lin(x) * GAIN + CFG["shift"]
 
 
 class SetsGain(pl.Callback):
@@ -328,6 +329,18 @@ def global_rebound(out):
     global GAIN
     GAIN = 1.0
     refused(Gains, out, max_steps=3, callbacks=[SetsGain(new=True)])
+
+
+class ShiftsCfg(pl.Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, i):
+        CFG["shift"] = 0.1 * i  # in place: the same dict
+
+
+def global_in_place(out):
+    global GAIN
+    GAIN = 1.0
+    CFG["shift"] = 0.0
+    refused(Gains, out, max_steps=3, callbacks=[ShiftsCfg()])
 
 
 def global_same(out):

@@ -17,7 +17,7 @@ CASES = ["attributes", "unpicklable", "structure", "hooks", "hook_outside", "con
          "fan_out", "compiled_before",
          "kv_cache", "raised", "module_list", "generator_argument", "parametrized",
          "weight_norm_hook", "draws_random", "draws_numpy", "global_hook",
-         "global_rebound", "global_same"]
+         "global_rebound", "global_same", "global_in_place"]
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +95,10 @@ def test_a_global_the_placed_forward_reads_rebound_here_mid_fit_is_refused_namin
     assert "Make it an attribute of the module" in said and "leave 'encoder' unplaced" in said
     # set again to an equal value before each batch: nothing to refuse
     assert ran("global_same")["said"] == ""
+    # a config dict changed in place: the same
+    said = ran("global_in_place")["said"]
+    assert said.startswith("Gained.forward reads the global 'CFG', changed in place here to "
+                           "{'shift': 0.1} (it was {'shift': 0.0} when 'encoder' was placed")
 
 
 def test_hooks_that_read_a_context_variable_of_this_process_read_its_value_there(ran):

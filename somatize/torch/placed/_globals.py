@@ -9,8 +9,9 @@ it is read.
     watch = Watched(module)      # when the module is placed: what its code reads, now
     watch.check("encoder", "worker")   # at every call: Refused if one was rebound
 
-Only rebinding is seen (a number, a string, a function given a new value); a dict or
-list changed in place under the same name is not (docs/lightning.md).
+Rebinding is seen (a number, a string, a function given a new value), and a small dict,
+list or set of plain values changed in place; other objects changed in place are not
+(docs/lightning.md).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class Watched:
     def __init__(self, module: Any):
         self.refs = _references(module)  # (who reads it, its globals, the name)
         self.values = self._now()
+        # plain containers (CFG = {"gain": 1.0}): a copy, to see one changed in place
+        self.copies = [(i, _copy(v)) for i, v in enumerate(self.values) if _plain(v)]
 
     def _now(self) -> list:
         return [g.get(name, _MISSING) for _, g, name in self.refs]
@@ -43,8 +46,17 @@ class Watched:
         if not self.refs:
             return
         now = self._now()
-        if all(map(operator.is_, now, self.values)):
-            return  # (at C speed: the same objects)
+        if all(map(operator.is_, now, self.values)):  # (at C speed: the same objects)
+            for i, then in self.copies:
+                if now[i] != then:
+                    who, _, global_name = self.refs[i]
+                    raise Refused(
+                        f"{who} reads the global {global_name!r}, changed in place here to "
+                        f"{_shown(now[i])} (it was {_shown(then)} when {name!r} was placed on "
+                        f"worker {host!r}): the worker has its own copy and would not see the "
+                        f"change. Make it an attribute of the module (attributes set here "
+                        f"travel), or leave {name!r} unplaced")
+            return
         for (who, _, global_name), v, then in zip(self.refs, now, self.values, strict=True):
             if v is then or (type(v) is type(then) and isinstance(v, _SCALARS) and v == then):
                 continue
@@ -55,12 +67,28 @@ class Watched:
                 f"Make it an attribute of the module (self.{global_name.lower()} = ...: "
                 f"attributes set here travel), or leave {name!r} unplaced")
         self.values = now  # set again to what it was: the same from now on
+        self.copies = [(i, _copy(v)) for i, v in enumerate(now) if _plain(v)]
+
+
+def _plain(v: Any) -> bool:
+    # a small dict, list or set of plain values (a config): compared by value each call
+    if type(v) is dict:
+        items = [*v.keys(), *v.values()]
+    elif type(v) in (list, set):
+        items = list(v)
+    else:
+        return False
+    return len(items) <= 128 and all(type(x) in _SCALARS for x in items)
+
+
+def _copy(v: Any) -> Any:
+    return type(v)(v)
 
 
 def _shown(v: Any) -> str:
     if v is _MISSING:
         return "nothing"
-    text = repr(v) if isinstance(v, _SCALARS) else f"a {type(v).__name__}"
+    text = repr(v) if isinstance(v, _SCALARS) or _plain(v) else f"a {type(v).__name__}"
     return text if len(text) < 60 else text[:57] + "..."
 
 
