@@ -295,8 +295,13 @@ def global_hook(out):
         handle.remove()
 
 
-GAIN = 1.0  # a module-level setting the encoder's forward reads
-CFG = {"shift": 0.0}  # and a config dict it reads an entry of
+GAIN = 1.0  # module-level settings the encoder's code reads: a number,
+CFG = {"shift": 0.0}  # a config dict (read by a helper it calls),
+ACT = torch.tanh  # and a function
+
+
+def _shifted(h):
+    return h + CFG["shift"]
 
 
 class Gained(nn.Module):
@@ -305,18 +310,26 @@ class Gained(nn.Module):
         self.lin = nn.Linear(64, 8)
 
     def forward(self, x):
-        return self.lin(x) * GAIN + CFG["shift"]
+        return _shifted(ACT(self.lin(x)) * GAIN)
 
 
-class SetsGain(pl.Callback):
-    """Sets the global before each batch: to a new value, or to the same one again."""
+class SetsGlobals(pl.Callback):
+    """Before each batch: GAIN rebound to a new value (or to an equal one), CFG changed in
+    place, or ACT rebound to another function."""
 
-    def __init__(self, new):
-        self.new = new
+    def __init__(self, how):
+        self.how = how
 
     def on_train_batch_start(self, trainer, pl_module, batch, i):
-        global GAIN
-        GAIN = float(1 + i) if self.new else float(str(GAIN))  # another object, same value
+        global GAIN, ACT
+        if self.how == "rebound":
+            GAIN = float(1 + i)
+        elif self.how == "same":
+            GAIN = float(str(GAIN))  # another object, the same value
+        elif self.how == "in_place":
+            CFG["shift"] = 0.1 * i  # the same dict
+        elif i == 1:
+            ACT = torch.sigmoid
 
 
 class Gains(Base):
@@ -325,28 +338,36 @@ class Gains(Base):
         self.encoder = Gained()
 
 
+def _globals_case(how, out, run):
+    global GAIN, ACT
+
+    def make():  # each fit starts from the same settings
+        global GAIN, ACT
+        GAIN, ACT = 1.0, torch.tanh
+        CFG["shift"] = 0.0
+        return Gains()
+
+    try:
+        run(make, out, max_steps=5, callbacks=[SetsGlobals(how)])
+    finally:
+        GAIN, ACT = 1.0, torch.tanh
+        CFG["shift"] = 0.0
+
+
 def global_rebound(out):
-    global GAIN
-    GAIN = 1.0
-    refused(Gains, out, max_steps=3, callbacks=[SetsGain(new=True)])
-
-
-class ShiftsCfg(pl.Callback):
-    def on_train_batch_start(self, trainer, pl_module, batch, i):
-        CFG["shift"] = 0.1 * i  # in place: the same dict
-
-
-def global_in_place(out):
-    global GAIN
-    GAIN = 1.0
-    CFG["shift"] = 0.0
-    refused(Gains, out, max_steps=3, callbacks=[ShiftsCfg()])
+    _globals_case("rebound", out, both)
 
 
 def global_same(out):
-    global GAIN
-    GAIN = 1.0
-    refused(Gains, out, max_steps=3, callbacks=[SetsGain(new=False)])
+    _globals_case("same", out, both)
+
+
+def global_in_place(out):
+    _globals_case("in_place", out, both)
+
+
+def global_to_code(out):
+    _globals_case("code", out, refused)
 
 
 COLLECTOR = contextvars.ContextVar("collector", default=None)

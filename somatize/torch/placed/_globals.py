@@ -1,17 +1,14 @@
-"""The module-level names a placed module's code reads, watched here.
+"""The module-level names a placed module's code reads, kept the same over there.
 
 The worker holds its own copy of them: the values its classes were sent with (a script's
-classes travel by value) or those its own import gave it. One rebound here after the
-module was sent (``GAIN = 2.0`` by a callback, a helper function swapped) would not be
-seen over there, so the call that comes after it is refused, naming the name and where
-it is read.
+classes travel by value) or those its own import gave it. What they hold here is sent
+with the first call, and again whenever one is rebound (``GAIN = 2.0`` by a callback) or,
+a small dict, list, set or tuple of plain values, changed in place (``CFG["gain"] = 2``):
+the worker sets them where its copy of the code reads them. A name rebound here to what
+cannot travel as data (a function, an object) is refused, naming it.
 
-    watch = Watched(module)      # when the module is placed: what its code reads, now
-    watch.check("encoder", "worker")   # at every call: Refused if one was rebound
-
-Rebinding is seen (a number, a string, a function given a new value), and a small dict,
-list or set of plain values changed in place; other objects changed in place are not
-(docs/lightning.md).
+    watch = Watched(module)                   # when the module is placed
+    ops.append(SetGlobals(watch.changes("encoder", "worker")))   # at every call, if any
 """
 
 from __future__ import annotations
@@ -19,6 +16,7 @@ from __future__ import annotations
 import dis
 import operator
 import types
+from dataclasses import dataclass
 from typing import Any
 
 from ..._errors import Refused
@@ -30,51 +28,72 @@ _LIBRARY = ("torch", "somatize", "lightning", "builtins")
 
 
 class Watched:
-    """What ``module``'s code reads of its modules' globals, as it is now."""
+    """What ``module``'s code reads of its modules' globals, as last sent over there."""
 
     def __init__(self, module: Any):
-        self.refs = _references(module)  # (who reads it, its globals, the name)
+        self.refs = _references(module)  # (who reads it, its globals, the name, module)
         self.values = self._now()
-        # plain containers (CFG = {"gain": 1.0}): a copy, to see one changed in place
-        self.copies = [(i, _copy(v)) for i, v in enumerate(self.values) if _plain(v)]
+        self.copies = _copies(self.values)
+        self.sent = False
 
     def _now(self) -> list:
-        return [g.get(name, _MISSING) for _, g, name in self.refs]
+        return [g.get(name, _MISSING) for _, g, name, _ in self.refs]
 
-    def check(self, name: str, host: str) -> None:
-        """Refuse a call after one of the names was rebound here (to another value)."""
+    def changes(self, name: str, host: str) -> tuple:
+        """``(its module, the name, its value)`` of each one to set over there: every
+        plain one at the first call, then those rebound or changed in place."""
         if not self.refs:
-            return
+            return ()
         now = self._now()
-        if all(map(operator.is_, now, self.values)):  # (at C speed: the same objects)
-            for i, then in self.copies:
-                if now[i] != then:
-                    who, _, global_name = self.refs[i]
-                    raise Refused(
-                        f"{who} reads the global {global_name!r}, changed in place here to "
-                        f"{_shown(now[i])} (it was {_shown(then)} when {name!r} was placed on "
-                        f"worker {host!r}): the worker has its own copy and would not see the "
-                        f"change. Make it an attribute of the module (attributes set here "
-                        f"travel), or leave {name!r} unplaced")
-            return
-        for (who, _, global_name), v, then in zip(self.refs, now, self.values, strict=True):
-            if v is then or (type(v) is type(then) and isinstance(v, _SCALARS) and v == then):
+        if self.sent and all(map(operator.is_, now, self.values)) and all(
+                now[i] == then for i, then in self.copies):  # (the same objects, as they were)
+            return ()
+        first, self.sent = not self.sent, True
+        out = []
+        copied = dict(self.copies)
+        for i, ((who, _, global_name, where), v, then) in enumerate(
+                zip(self.refs, now, self.values, strict=True)):
+            if v is _MISSING or (not first and v is then and (
+                    i not in copied or v == copied[i])):
                 continue
-            raise Refused(
-                f"{who} reads the global {global_name!r}, which was set here to "
-                f"{_shown(v)} (it was {_shown(then)} when {name!r} was placed on worker "
-                f"{host!r}): the worker has its own copy and would not see the change. "
-                f"Make it an attribute of the module (self.{global_name.lower()} = ...: "
-                f"attributes set here travel), or leave {name!r} unplaced")
-        self.values = now  # set again to what it was: the same from now on
-        self.copies = [(i, _copy(v)) for i, v in enumerate(now) if _plain(v)]
+            if _data(v):
+                out.append((where, global_name, _copy(v)))
+            elif not first:  # rebound here to code or an object: it cannot follow as data
+                raise Refused(
+                    f"{who} reads the global {global_name!r}, which was set here to a "
+                    f"{type(v).__name__} after {name!r} was placed on worker {host!r}: the "
+                    f"worker has its own copy, and only plain data (numbers, strings, small "
+                    f"dicts, lists, tuples of them) is sent to it when changed. Make it an "
+                    f"attribute of the module (attributes set here travel), or leave "
+                    f"{name!r} unplaced")
+        self.values, self.copies = now, _copies(now)
+        return tuple(out)
 
 
-def _plain(v: Any) -> bool:
-    # a small dict, list or set of plain values (a config): compared by value each call
+@dataclass(frozen=True)
+class SetGlobals:
+    """The globals to set over there, where the placed module's code reads them."""
+
+    values: tuple  # (the module of the code that reads it, the name, the value)
+
+    def apply(self, placed: Any) -> None:
+        where = placed.__dict__.get("global_refs")
+        if where is None:  # its code's globals over there, found as they are here
+            where = placed.__dict__["global_refs"] = {}
+            for _, g, name, module in _references(placed.module):
+                where.setdefault((module, name), []).append(g)
+        for module, name, value in self.values:
+            for g in where.get((module, name), ()):  # each copy of that module's globals
+                g[name] = _copy(value)
+
+
+def _data(v: Any) -> bool:
+    # what is sent by value: a plain value, or a small container of them (a config)
+    if type(v) in _SCALARS:
+        return True
     if type(v) is dict:
         items = [*v.keys(), *v.values()]
-    elif type(v) in (list, set):
+    elif type(v) in (list, set, tuple, frozenset):
         items = list(v)
     else:
         return False
@@ -82,18 +101,17 @@ def _plain(v: Any) -> bool:
 
 
 def _copy(v: Any) -> Any:
-    return type(v)(v)
+    return type(v)(v) if type(v) in (dict, list, set) else v
 
 
-def _shown(v: Any) -> str:
-    if v is _MISSING:
-        return "nothing"
-    text = repr(v) if isinstance(v, _SCALARS) or _plain(v) else f"a {type(v).__name__}"
-    return text if len(text) < 60 else text[:57] + "..."
+def _copies(values: list) -> list:
+    # the mutable plain containers among them, copied: one changed in place is seen
+    return [(i, _copy(v)) for i, v in enumerate(values)
+            if type(v) in (dict, list, set) and _data(v)]
 
 
-def _references(module: Any) -> list[tuple[str, dict, str]]:
-    refs: dict[tuple[int, str], tuple[str, dict, str]] = {}
+def _references(module: Any) -> list[tuple[str, dict, str, str]]:
+    refs: dict[tuple[int, str], tuple[str, dict, str, str]] = {}
     todo: list[tuple[str, types.FunctionType]] = []
     for m in module.modules():
         for cls in type(m).__mro__:
@@ -104,13 +122,13 @@ def _references(module: Any) -> list[tuple[str, dict, str]]:
                     todo.append((f"{cls.__qualname__}.{k}", f))
     seen: set[int] = set()
     while todo:
-        who, fn = todo.pop()
+        who, fn = todo.pop(0)
         if id(fn.__code__) in seen or not yours(fn.__code__):
             continue
         seen.add(id(fn.__code__))
         g = fn.__globals__
-        for name in _loaded(fn.__code__):
-            refs.setdefault((id(g), name), (who, g, name))
+        for name in sorted(_loaded(fn.__code__)):
+            refs.setdefault((id(g), name), (who, g, name, fn.__module__ or ""))
             v = g.get(name)
             if isinstance(v, types.FunctionType):  # a helper it calls: what it reads too
                 todo.append((f"{v.__qualname__} (called by {who})", v))

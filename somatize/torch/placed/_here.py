@@ -31,7 +31,7 @@ from .._private import engine_will_run, plainly
 from .._raised import Raised, rebuilt
 from .._state import restore
 from ._fresh import fresh, unfresh
-from ._globals import Watched
+from ._globals import SetGlobals, Watched
 from ._joins import defer, waited
 from ._messages import Bare, Call, Pickled, Same, pack, spread, unpack
 from ._module_ops import Free, Sent
@@ -186,8 +186,10 @@ class Link:
 
     # -- a call --------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.globals is not None:  # one rebound here would not be seen there
-            self.globals.check(self.name, self.host)
+        if self.globals is not None:  # what its code reads of its globals, as here
+            values = self.globals.changes(self.name, self.host)
+            if values:
+                self.ops.append(SetGlobals(values))
         sent = self.sent
         sent.writes(self.ops)
         self.routing.hooks(self.ops)  # put on its children here since: they run there
