@@ -49,8 +49,10 @@ def refuse_drawn(who: str, name: str, before: tuple | None) -> None:
     if before is None:
         return
     after = _states()
+    # (numpy imported by the forward itself, for the first time: nothing drawn before it)
     which = [what for what, then, now in zip(("Python's random", "numpy.random"), before,
-                                             after, strict=True) if then != now]
+                                             after, strict=True)
+             if then is not None and then != now]
     if which:
         raise Refused(
             f"{who} drew from {' and '.join(which)} (its global generator) "
