@@ -26,15 +26,19 @@ from typing import Any
 
 import torch
 
+from ..._bytecode import attrs_set
 from ..._errors import Refused
-from ..._keys import call_state
+from ..._keys import call_state, functions_of
 from ..._reads import (
     Unnamed,
     class_name,
     code_digest,
+    code_in,
+    enum_text,
     function_text,
     module_is_yours,
     name_value,
+    state_reader,
     structure_text,
     value_namer,
     yours,
@@ -100,6 +104,9 @@ def _math_readers() -> list:
         _readers = [(n, _reader(n) if n.startswith("backends.") else known[n]) for n in names]
         # what a tensor made in the forward (torch.ones(4)) is, and so what it promotes to
         _readers.append(("default_dtype", torch.get_default_dtype))
+        mha = getattr(torch.backends, "mha", None)  # a Transformer layer's fused path in eval
+        if mha is not None and hasattr(mha, "get_fastpath_enabled"):
+            _readers.append(("mha_fastpath", mha.get_fastpath_enabled))
     return _readers
 
 
@@ -149,6 +156,14 @@ def _torch_value(v: Any) -> str | None:
 
 
 value_namer(_torch_value)
+# torch's readers of the state of the process: a forward that asks one computes by its
+# answer (``if torch.is_grad_enabled(): ...``), so its answer is in that forward's key
+for _read in ("is_grad_enabled", "is_inference_mode_enabled", "get_default_device",
+              "get_default_dtype", "get_num_threads",
+              "are_deterministic_algorithms_enabled", "get_float32_matmul_precision",
+              "is_anomaly_enabled"):
+    if hasattr(torch, _read):
+        state_reader(getattr(torch, _read))
 
 
 def settings_of(module: torch.nn.Module, where: str, salt: str | None = None,
@@ -178,15 +193,51 @@ def settings_of(module: torch.nn.Module, where: str, salt: str | None = None,
             except Unnamed as e:
                 if salt is not None:
                     continue  # the caller's salt names what this attribute changes
-                what, kind = e.args
-                raise Refused(
-                    f"module {where!r}: its attribute {what!r} holds a {kind}, which the "
-                    "key of its cached outputs cannot name (a change to it would serve stale "
-                    "outputs). Make it a buffer (register_buffer) or a plain value (a "
-                    "number, string, tuple...), or give SomatizeCache a salt= (.cached(salt=) "
-                    "on a graph) that you change whenever it changes what the module "
-                    "computes") from None
+                raise _unnamed(where, *e.args) from None
     return pieces, tensors
+
+
+def own_settings(node: Any, where: str, salt: str | None, tensors: list) -> list[str]:
+    """A graph node's own plain attributes (``self.gain``, ``self.act``), named as a
+    module's settings are (its modules and tensors are state: named apart)."""
+    tree = {id(m) for v in vars(node).values() if isinstance(v, torch.nn.Module)
+            for m in v.modules()}
+    pieces = []
+    for k, v in own_attributes(node):
+        if isinstance(v, (torch.nn.Module, torch.Tensor)):
+            continue
+        if isinstance(v, types.MethodType) and v.__self__ is node:
+            v = v.__func__  # its own method (self.step = self._step): its code
+        try:
+            pieces.append(f"{k}={_named(v, k, tensors, 0, tree)}")
+        except Unnamed as e:
+            if salt is None:
+                raise _unnamed(f"node {where!r}", *e.args) from None
+    return pieces
+
+
+def own_attributes(node: Any) -> list[tuple[str, Any]]:
+    """A graph node's own attributes, by name, less somatize's and those its code sets
+    outside its constructor (``self.runs += 1``: bookkeeping it keeps, not a setting)."""
+    written = _written(type(node))
+    return sorted((k, v) for k, v in vars(node).items()
+                  if not k.startswith("_soma") and k not in written)
+
+
+@functools.lru_cache(maxsize=256)
+def _written(cls: type) -> frozenset[str]:
+    return frozenset(a for who, fn in functions_of((cls,), ("somatize", "torch."))
+                     if not who.endswith(".__init__") for a in attrs_set(fn.__code__))
+
+
+def _unnamed(where: str, what: str, kind: str) -> Refused:
+    where = where if where.startswith("node ") else f"module {where!r}"
+    return Refused(
+        f"{where}: its attribute {what!r} holds a {kind}, which the key of its cached outputs "
+        "cannot name (a change to it would serve stale outputs). Make it a buffer "
+        "(register_buffer) or a plain value (a number, string, tuple...), or give "
+        "SomatizeCache a salt= (.cached(salt=) on a graph) that you change whenever it "
+        "changes what the module computes")
 
 
 def _hook(h: Any, tree: set) -> Any:
@@ -224,7 +275,7 @@ def _named(v: Any, name: str, tensors: list, depth: int, tree: set | None = None
     if isinstance(v, (torch.dtype, torch.device, torch.Size)):
         return f"{type(v).__name__}:{v}"
     if isinstance(v, enum.Enum):
-        return f"enum:{type(v).__module__}.{type(v).__qualname__}.{v.name}"
+        return enum_text(v, lambda x, w, d: _named(x, w, tensors, d, tree), depth)
     if isinstance(v, torch.Tensor):
         tensors.append((name, v))  # by content, with the state (deduplicated there)
         return f"tensor:{name}"
@@ -251,3 +302,31 @@ def _named(v: Any, name: str, tensors: list, depth: int, tree: set | None = None
     again = lambda x, w, d: _named(x, w, tensors, d, tree)  # noqa: E731
     text = structure_text(v, name, depth, again)
     return text if text is not None else name_value(v, name, depth, again)
+
+
+def held_code(holders: list) -> tuple:
+    """The functions and classes of yours the modules in ``holders`` (and their children)
+    hold as attributes or as a child's hooks: what they read is in the key too
+    (``_reads.code_in``). A holder that is not a module (a graph node) counts its own."""
+    out: list = []
+    for holder in holders:
+        mods = list(holder.modules()) if isinstance(holder, torch.nn.Module) else [holder]
+        for m in mods:
+            out += [c for k, v in vars(m).items() if not (
+                k in _BOOKKEEPING or k.startswith("_soma") or _ours(k, v)) for c in code_in(v)]
+            if m is not holder:  # a child's hooks run inside its forward
+                out += [c for d in forward_hooks(m) for h in d.values() for c in code_in(h)]
+    return tuple(dict.fromkeys(out))
+
+
+def rng_state() -> tuple:
+    """What torch's random generators are at now (the CPU's state; CUDA's offsets, where
+    CUDA is in use): a forward that draws moves them."""
+    cpu = torch.default_generator.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return (cpu, *(g.get_offset() for g in torch.cuda.default_generators))
+    return (cpu,)
+
+
+def same_rng(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and torch.equal(a[0], b[0]) and a[1:] == b[1:]

@@ -48,6 +48,7 @@ from ._gather import gather
 
 CONTEXT = "somatize 2026-12 per-item key v1"
 NAMES, DTYPES = CODEC_DTYPES, TORCH_DTYPES  # the codec's one table: torch dtype <-> name
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass of its own names its rows apart
 CHUNK = 32  # misses are computed in batches of this many rows (padded): docs/per-item.md
 
 
@@ -66,6 +67,7 @@ def _module_key(*pieces: str) -> str:
 def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
     """One 16-byte key per row of ``x`` (hashed in place on a contiguous CPU copy, in one
     native call: ``_rows``)."""
+    sub = "" if type(x) in _PLAIN else f"{type(x).__module__}.{type(x).__qualname__}"
     x = x.detach()
     if x.device.type != "cpu":
         x = x.cpu()
@@ -73,7 +75,7 @@ def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
     n = x.shape[0]
     if n == 0:
         return []
-    key = _rows_key(mkey, x.dtype, tuple(x.shape[1:]))
+    key = _rows_key(mkey, x.dtype, tuple(x.shape[1:]), sub)
     size = x.numel() * x.element_size()
     if size and native() is not None:  # the hasher reads the tensor's bytes where they are
         return row_keys(key, size, n, x.data_ptr())
@@ -83,10 +85,10 @@ def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
 
 
 @functools.lru_cache(maxsize=256)
-def _rows_key(mkey: str, dtype: torch.dtype, row: tuple[int, ...]) -> bytes:
+def _rows_key(mkey: str, dtype: torch.dtype, row: tuple[int, ...], sub: str = "") -> bytes:
     """A key of its own per module and row layout, derived under our context: each row is
     then keyed BLAKE3 (a mode no whole-value key uses), many rows at a time (_rows)."""
-    return blake3(bytes.fromhex(mkey) + f"{dtype}{list(row)}".encode(),
+    return blake3(bytes.fromhex(mkey) + f"{dtype}{list(row)}{sub}".encode(),
                   derive_key_context=CONTEXT).digest()
 
 
@@ -328,7 +330,7 @@ class PerItemForward(CachedForward):
         if self._watch is None or self.reads is None or self._watch.changed(self.module):
             refuse_coupled(self.module, self.path)  # a layer's train flag is watched too
             self.settle()  # its weights or settings were written: a new name
-        out, _ = self.item(args[0], self.run, self.state(), {"fingerprint": self.code},
+        out, _ = self.item(args[0], self.compute, self.state(), {"fingerprint": self.code},
                            _device_of(self.module))
         self.hits, self.misses = self.item.hits, self.item.misses
         return out

@@ -112,8 +112,9 @@ def _inner_of(attrs: list) -> list:
     out = []
     for m, k, v in attrs:
         if _mutable(v):
+            held: list = []  # the tensors it holds, by identity (a field rebound to another)
             try:
-                out.append((id(m), k, _named(v, k, [], 0)))
+                out.append((id(m), k, _named(v, k, held, 0), [id(t) for _, t in held]))
             except Unnamed:
                 out.append((id(m), k, None))
     return out
