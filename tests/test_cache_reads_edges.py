@@ -311,3 +311,23 @@ def test_a_node_changed_after_freeze_is_computed_anew(tmp_path, monkeypatch, map
         monkeypatch.setattr(Namespace, "gain", 2.0)
     got = g.forward(X, store=str(tmp_path))  # no freeze(g) again
     assert torch.equal(got, plain_enc(enc, X))
+
+
+class Noisy(Node):
+    def __init__(self):
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 6)
+
+    def forward(self, x, ctx):
+        return Done(self.lin(x) + torch.randn(x.shape[0], 6))
+
+    def parameters(self):
+        return list(self.lin.parameters())
+
+
+@pytest.mark.parametrize("mapped", [False, True], ids=["cached", "mapped"])
+def test_a_node_that_draws_random_numbers_is_refused_naming_it(tmp_path, mapped):
+    node = Noisy().frozen().cached()
+    g = freeze(Graph.somatize(node.mapped() if mapped else node))
+    with pytest.raises(Refused, match=r"node 'noisy' \(Noisy\) draws from torch's random"):
+        g.forward(X, store=str(tmp_path))

@@ -31,7 +31,7 @@ from ..._keys import changed, classes_of, fingerprint, key_of_input, key_of_node
 from ..._reads import reads_of
 from ..._say import say_once
 from ._freeze import digest_of, named_state
-from ._named import held_code, rng_state, same_rng
+from ._named import drawing_refused, held_code
 from ._watch import Watch
 
 
@@ -110,16 +110,9 @@ class CachedForward:
         generator (its output is then no function of what its key names)."""
         if self.reads is not None and self.reads.seeds:  # it seeds the generator itself
             return self.run(*args, **kwargs)
-        before = rng_state()
-        out = self.run(*args, **kwargs)
-        if not same_rng(before, rng_state()):
-            raise Refused(
-                f"module {self.path!r} ({self.kind}) draws from torch's random generator in "
-                "its forward (a dropout in train mode, torch.rand...): its output is not a "
-                "function of its input, and a kept one would be served where computing again "
-                "gives another. Put it in eval mode (m.eval()), draw with a generator it "
-                f"seeds, or leave {self.path!r} out of SomatizeCache(modules=...)")
-        return out
+        return drawing_refused(f"module {self.path!r} ({self.kind})",
+                               lambda: self.run(*args, **kwargs),
+                               f"SomatizeCache(modules=...) for {self.path!r}")
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own forward."""

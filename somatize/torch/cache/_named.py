@@ -22,6 +22,7 @@ import enum
 import functools
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -330,3 +331,18 @@ def rng_state() -> tuple:
 
 def same_rng(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def drawing_refused(who: str, run: Callable[[], Any], where: str) -> Any:
+    """``run()``, refused if it drew from torch's random generator: its output is then no
+    function of what its key names, and a kept one would be served where computing again
+    gives another."""
+    before = rng_state()
+    out = run()
+    if not same_rng(before, rng_state()):
+        raise Refused(
+            f"{who} draws from torch's random generator in its forward (a dropout in train "
+            "mode, torch.rand...): its output is not a function of its input, and a kept one "
+            "would be served where computing again gives another. Put it in eval mode "
+            f"(.eval()), seed the generator in its forward, or leave it out of {where}")
+    return out

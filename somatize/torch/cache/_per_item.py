@@ -31,9 +31,10 @@ from blake3 import blake3
 
 from ..._errors import Refused
 from ..._keeper import items_of_keeper
-from ..._keys import changed, digest, state_of_call
+from ..._keys import changed, classes_of, digest, state_of_call
 from ..._naming import _fingerprint_of, live_state
 from ..._node import kind_of
+from ..._reads import reads_of
 from ..._say import say_once
 from ..._values import Opaque, bare
 from ...store._items import Items, Space
@@ -45,6 +46,7 @@ from .._state import modules_of
 from ._cached import CachedForward, _refuse_trained_input
 from ._coupled import refuse_coupled, refuse_coupled_node
 from ._gather import gather
+from ._named import drawing_refused
 
 CONTEXT = "somatize 2026-12 per-item key v1"
 NAMES, DTYPES = CODEC_DTYPES, TORCH_DTYPES  # the codec's one table: torch dtype <-> name
@@ -352,7 +354,7 @@ def answer_mapped(graph, n: str, node: Any, x: Any, keeper: Any, run) -> tuple[A
     opaque = []
 
     def compute(sub: torch.Tensor) -> torch.Tensor:
-        y = run(Opaque(sub) if wrapped else sub)
+        y = computed_node(graph, n, node, lambda: run(Opaque(sub) if wrapped else sub))
         opaque.append(isinstance(y, Opaque))
         return bare(y)
 
@@ -360,6 +362,15 @@ def answer_mapped(graph, n: str, node: Any, x: Any, keeper: Any, run) -> tuple[A
     out, ran = item(bare(x), compute, live_state(n, node, graph.memory.cached.get(n)),
                     {"fingerprint": _fingerprint_of(node)}, dev)
     return (Opaque(out) if (opaque[0] if opaque else wrapped) else out), ran
+
+
+def computed_node(graph, n: str, node: Any, run: Callable[[], Any]) -> Any:
+    """The engine's ``computed`` hole: a cached node's miss, refused if its forward drew
+    from torch's random generator (unless its code seeds it)."""
+    classes = classes_of(node, getattr(node, "_soma_code", None) or type(node))
+    if reads_of(classes, getattr(node, "_soma_held", ())).seeds:
+        return run()
+    return drawing_refused(f"node {n!r} ({kind_of(node)})", run, f".cached() on {n!r}")
 
 
 def mapped_counts(graph) -> tuple[int, int]:
