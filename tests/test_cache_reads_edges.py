@@ -331,3 +331,42 @@ def test_a_node_that_draws_random_numbers_is_refused_naming_it(tmp_path, mapped)
     g = freeze(Graph.somatize(node.mapped() if mapped else node))
     with pytest.raises(Refused, match=r"node 'noisy' \(Noisy\) draws from torch's random"):
         g.forward(X, store=str(tmp_path))
+
+
+class Counts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.calls = 0
+        self.gain = 1.0
+
+    def set_gain(self, g):  # a setter: what it writes is a setting, in the key
+        self.gain = g
+
+    def forward(self, x):
+        self.calls += 1  # what the forward writes is its bookkeeping, not a setting
+        return self.lin(x) * self.gain
+
+
+@pytest.mark.parametrize("per_item", [False, True])
+def test_what_the_forward_writes_is_bookkeeping_and_what_a_setter_writes_is_a_setting(
+        tmp_path, per_item):
+    m, plain = cached(Counts(), tmp_path, per_item)
+    check_fresh(m, plain)
+    m(X)
+    assert m.forward.hits == X.shape[0] if per_item else m.forward.hits == 1
+    m.set_gain(2.0)
+    check_fresh(m, plain)
+
+
+class Settable(Enc):
+    def set_gain(self, g):
+        self.gain = g
+
+
+def test_a_node_setting_written_by_its_setter_after_freeze_is_computed_anew(tmp_path):
+    enc = Settable(scaled)
+    g = freeze(Graph.somatize(enc.frozen().cached()))
+    assert torch.equal(g.forward(X, store=str(tmp_path)), plain_enc(enc, X))
+    enc.set_gain(2.0)
+    assert torch.equal(g.forward(X, store=str(tmp_path)), plain_enc(enc, X))

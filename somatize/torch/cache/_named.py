@@ -29,7 +29,7 @@ import torch
 
 from ..._bytecode import attrs_set
 from ..._errors import Refused
-from ..._keys import call_state, functions_of
+from ..._keys import call_state
 from ..._reads import (
     Unnamed,
     class_name,
@@ -182,8 +182,9 @@ def settings_of(module: torch.nn.Module, where: str, salt: str | None = None,
     tree = {id(m) for m in module.modules()}
     for prefix, m in module.named_modules(remove_duplicate=False):
         pieces.append(f"{prefix}:class={class_name(type(m))}")
-        attrs = [(k, v) for k, v in vars(m).items()
-                 if not (k in _BOOKKEEPING or k.startswith("_soma") or _ours(k, v))]
+        written = forward_writes(type(m))  # its forward's bookkeeping (self.calls += 1)
+        attrs = [(k, v) for k, v in vars(m).items() if not (
+            k in _BOOKKEEPING or k.startswith("_soma") or _ours(k, v) or k in written)]
         if prefix or hooks:  # a child's hooks run inside the cached forward
             attrs += [(k, [_hook(h, tree) for h in d.values()])
                       for k, d in zip(FORWARD_HOOKS, forward_hooks(m), strict=True) if d]
@@ -218,17 +219,24 @@ def own_settings(node: Any, where: str, salt: str | None, tensors: list) -> list
 
 
 def own_attributes(node: Any) -> list[tuple[str, Any]]:
-    """A graph node's own attributes, by name, less somatize's and those its code sets
-    outside its constructor (``self.runs += 1``: bookkeeping it keeps, not a setting)."""
-    written = _written(type(node))
+    """A graph node's own attributes, by name, less somatize's and those its forward
+    writes (``self.runs += 1``: bookkeeping it keeps, not a setting)."""
+    written = forward_writes(type(node))
     return sorted((k, v) for k, v in vars(node).items()
                   if not k.startswith("_soma") and k not in written)
 
 
-@functools.lru_cache(maxsize=256)
-def _written(cls: type) -> frozenset[str]:
-    return frozenset(a for who, fn in functions_of((cls,), ("somatize", "torch."))
-                     if not who.endswith(".__init__") for a in attrs_set(fn.__code__))
+@functools.lru_cache(maxsize=1024)
+def forward_writes(cls: type) -> frozenset[str]:
+    """The attributes a class's ``forward`` sets (``self.calls += 1``): what the forward
+    keeps for itself, not what it computes with. Only a forward of yours counts; a setter
+    method's writes are settings, in the key."""
+    fn = getattr(cls, "forward", None)
+    fn = getattr(fn, "__func__", fn)
+    if not isinstance(fn, types.FunctionType) or not yours(fn.__code__) or (
+            fn.__module__ or "").startswith(("somatize", "torch")):
+        return frozenset()
+    return frozenset(attrs_set(fn.__code__))
 
 
 def _unnamed(where: str, what: str, kind: str) -> Refused:
