@@ -203,6 +203,7 @@ class Reads:
             if name not in g:
                 continue  # a builtin (or not yet defined): not the user's data
             v, path = g[name], f"{who[6:]}.{name}" if who.startswith("class ") else name
+            owner = None  # what the value was read off, if anything
             for attr in chain:
                 if attr == DYNAMIC and (module_is_yours(v) if isinstance(
                         v, types.ModuleType) else _walked(v)):
@@ -211,13 +212,17 @@ class Reads:
                     break
                 if not _walked(v) or not hasattr(v, attr):
                     break
-                v, path = getattr(v, attr), f"{path}.{attr}"
-            if isinstance(v, types.ModuleType):
+                owner, v, path = v, getattr(v, attr), f"{path}.{attr}"
+            if isinstance(v, (type, types.ModuleType)):
                 continue  # code, not data: the fingerprint beside the value names it
             if type(v) in _READER_TYPES and v in _state_readers:
                 v, path = v(), f"{path}()"  # torch.is_grad_enabled(): its answer
             try:
-                out.append(f"{path}={name_value(v, path)}")  # a class or function: its name
+                text = name_value(v, path)
+                # a package's function bound by your code (ACT = torch.relu) is named, so
+                # rebinding it is a new name; one read off the package (torch.relu) is not
+                if not text.startswith("name:") or not _libraries(owner):
+                    out.append(f"{path}={text}")
             except Unnamed as e:
                 if salt is not None:
                     continue
@@ -239,6 +244,12 @@ def _computed(who_runs: str, who: str, what: str) -> str:
             "outputs). Read the global by its name (CFG, config.GAIN), pass it as an "
             "attribute, or give a salt= (.cached(salt=...), SomatizeCache(salt=...)) that you "
             "change whenever it changes what the node computes")
+
+
+def _libraries(owner: Any) -> bool:
+    # a module or class a name was read off that is a package's, not yours
+    return owner is not None and not (module_is_yours(owner) if isinstance(
+        owner, types.ModuleType) else class_is_yours(owner))
 
 
 def _walked(v: Any) -> bool:
@@ -347,7 +358,8 @@ def _class_data(classes: tuple[type, ...], set_attrs: set[str]) -> list:
             continue
         seen.add(klass)
         for name, v in vars(klass).items():
-            if name.startswith("__") or isinstance(v, _CODE) or name in set_attrs:
+            if name.startswith("__") or isinstance(v, _CODE) or name in set_attrs or hasattr(
+                    type(v), "__get__"):  # a descriptor (a namedtuple's field): code
                 continue
             refs.append((f"class {klass.__qualname__}", vars(klass), name, ()))
     return refs
