@@ -78,6 +78,7 @@ def yours(code: types.CodeType) -> bool:
     return not os.path.realpath(f).startswith(_LIBRARY)
 
 
+@functools.lru_cache(maxsize=4096)  # asked at every call: a path resolved once per module
 def module_is_yours(mod: types.ModuleType) -> bool:
     """Whether a module object is the user's (a config module), not a package's."""
     f = getattr(mod, "__file__", None)
@@ -215,14 +216,15 @@ class Reads:
                 owner, v, path = v, getattr(v, attr), f"{path}.{attr}"
             if isinstance(v, (type, types.ModuleType)):
                 continue  # code, not data: the fingerprint beside the value names it
-            if type(v) in _READER_TYPES and v in _state_readers:
-                v, path = v(), f"{path}()"  # torch.is_grad_enabled(): its answer
+            if type(v) in _READER_TYPES:
+                if v in _state_readers:
+                    v, path = v(), f"{path}()"  # torch.is_grad_enabled(): its answer
+                elif owner is not None and _libraries(owner):
+                    continue  # read off a package (torch.relu): its version names it
             try:
-                text = name_value(v, path)
-                # a package's function bound by your code (ACT = torch.relu) is named, so
-                # rebinding it is a new name; one read off the package (torch.relu) is not
-                if not text.startswith("name:") or not _libraries(owner):
-                    out.append(f"{path}={text}")
+                # a package's function bound by your code (ACT = torch.relu) is named too,
+                # so rebinding it is a new name
+                out.append(f"{path}={name_value(v, path)}")
             except Unnamed as e:
                 if salt is not None:
                     continue
@@ -257,6 +259,7 @@ def _walked(v: Any) -> bool:
     return isinstance(v, types.ModuleType) or (isinstance(v, type) and class_is_yours(v))
 
 
+@functools.lru_cache(maxsize=4096)
 def class_is_yours(klass: type) -> bool:
     """Whether a class is the user's (not the standard library's, nor a package's)."""
     mod = sys.modules.get(klass.__module__ or "")
@@ -369,31 +372,3 @@ def _class_data(classes: tuple[type, ...], set_attrs: set[str]) -> list:
 _CODE = (types.FunctionType, staticmethod, classmethod, property, type, types.ModuleType,
          types.BuiltinFunctionType, types.MemberDescriptorType, types.GetSetDescriptorType,
          functools.cached_property)
-
-
-def script_name(cls: type) -> str:
-    """A class's module as the same dotted name whether its file runs as the script
-    (``__main__``) or is imported: the script's path from the first ``sys.path`` entry
-    that holds it, else its file name."""
-    mod = cls.__module__
-    if mod != "__main__":
-        return mod
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name:
-        return spec.name  # python -m pkg.mod
-    f = getattr(main, "__file__", None)
-    if not f:
-        return mod
-    f = os.path.realpath(f)
-    for p in sys.path:
-        base = os.path.realpath(p or os.getcwd()) + os.sep
-        if f.startswith(base):
-            rel = os.path.splitext(f[len(base):])[0]
-            return rel.replace(os.sep, ".")
-    return os.path.splitext(os.path.basename(f))[0]
-
-
-def class_name(cls: type) -> str:
-    """``module.Qualname`` of a class, the same when its file runs as the script."""
-    return f"{script_name(cls)}.{cls.__qualname__}"

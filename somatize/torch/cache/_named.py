@@ -28,11 +28,11 @@ from typing import Any
 import torch
 
 from ..._bytecode import attrs_set
+from ..._classes import class_name
 from ..._errors import Refused
 from ..._keys import call_state
 from ..._reads import (
     Unnamed,
-    class_name,
     code_digest,
     code_in,
     enum_text,
