@@ -85,6 +85,12 @@ def _answer_mapped(*args):
     return answer_mapped(*args)
 
 
+def _computed(*args):
+    from .torch.cache._per_item import computed_node
+
+    return computed_node(*args)
+
+
 def _release(graph):
     if "somatize.remote" in sys.modules:  # nothing was started if it was never imported
         from .remote import release
@@ -94,7 +100,8 @@ def _release(graph):
 
 # the defaults that fill the core's holes, each importing its layer at first use
 _holes.adapt(_module_node)
-_holes.fill(keeper=_open_keeper, mapped=_answer_mapped, transport=_holes.Transport(
+_holes.fill(keeper=_open_keeper, mapped=_answer_mapped, computed=_computed,
+            transport=_holes.Transport(
     _runtime_for, _release, _trace_start, _trace_collect))
 
 

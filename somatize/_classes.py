@@ -1,4 +1,5 @@
-"""Classes kept as data: a namedtuple, a dataclass or a mapping of its own class (such as
+"""Classes kept as data, and named (``class_name``: the same whether its file runs as the
+script or is imported): a namedtuple, a dataclass or a mapping of its own class (such as
 transformers' ``ModelOutput``) is written as its class's path, its kind and its fields by
 name, and rebuilt from a class already imported in this process: never imported, never
 unpickled, and only when it still is that kind with those fields.
@@ -10,6 +11,7 @@ unpickled, and only when it still is that kind with those fields.
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Mapping
 from typing import Any
@@ -92,3 +94,31 @@ def rebuild(path: str, kind: str, items: list[tuple[Any, Any]]) -> Any:
                               f"{e})") from None
     raise LookupError(f"{path}: a kind {kind[:20]!r} that is not namedtuple, dataclass or "
                       "mapping")
+
+
+def script_name(cls: type) -> str:
+    """A class's module as the same dotted name whether its file runs as the script
+    (``__main__``) or is imported: the script's path from the first ``sys.path`` entry
+    that holds it, else its file name."""
+    mod = cls.__module__
+    if mod != "__main__":
+        return mod
+    main = sys.modules.get("__main__")
+    spec = getattr(main, "__spec__", None)
+    if spec is not None and spec.name:
+        return spec.name  # python -m pkg.mod
+    f = getattr(main, "__file__", None)
+    if not f:
+        return mod
+    f = os.path.realpath(f)
+    for p in sys.path:
+        base = os.path.realpath(p or os.getcwd()) + os.sep
+        if f.startswith(base):
+            rel = os.path.splitext(f[len(base):])[0]
+            return rel.replace(os.sep, ".")
+    return os.path.splitext(os.path.basename(f))[0]
+
+
+def class_name(cls: type) -> str:
+    """``module.Qualname`` of a class, the same when its file runs as the script."""
+    return f"{script_name(cls)}.{cls.__qualname__}"

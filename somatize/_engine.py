@@ -7,6 +7,7 @@ stretches to the transport, with each value's key travelling beside it.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -155,6 +156,10 @@ def walk(
             with span(node_name(graph, n), "node"):
                 if n in mapped and keeper is not None:
                     values[n], ran = _per_item(graph, n, input_of(n), keeper, here, training)
+                elif n in cached and keeper is not None and keys.get(n):
+                    node, x = graph.catalog[n], input_of(n)
+                    values[n], ran = _holes.computed(graph, n, node, functools.partial(
+                        run_node, graph.reports.get(n, n), node, x, here, training)), True
                 else:
                     values[n], ran = run_node(graph.reports.get(n, n), graph.catalog[n],
                                               input_of(n), here, training), True

@@ -97,13 +97,15 @@ class Transport(NamedTuple):
     trace_collect: Callable[..., list] | None = None  # (runtime, offsets, end=False)
 
 
-_filled: dict[str, Any] = {"keeper": None, "transport": None, "mapped": None}
+_filled: dict[str, Any] = {"keeper": None, "transport": None, "mapped": None,
+                           "computed": None}
 _adapters: list[Callable[[Any], Any]] = []
 
 
 def fill(**holes: Any) -> None:
     """Fill holes by name: ``keeper=`` (opens ``store=``), ``transport=`` (a Transport),
-    ``mapped=`` (answers a ``.mapped()`` node's batch item by item)."""
+    ``mapped=`` (answers a ``.mapped()`` node's batch item by item), ``computed=``
+    (computes a cached node's miss)."""
     unknown = set(holes) - set(_filled)
     if unknown:
         raise KeyError(f"no hole {sorted(unknown)}; the holes are {sorted(_filled)}")
@@ -146,6 +148,13 @@ def mapped() -> Callable[..., Any]:
 
         raise StoreError("nothing answers .mapped() nodes: import somatize.torch")
     return m
+
+
+def computed(graph, n: str, node: Any, run: Callable[[], Any]) -> Any:
+    """A cached node's value computed for a miss: ``run()``, checked by what fills the
+    ``computed`` hole (somatize.torch refuses a forward that draws random numbers)."""
+    c = _filled["computed"]
+    return run() if c is None else c(graph, n, node, run)
 
 
 def transport() -> Transport:

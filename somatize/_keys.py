@@ -126,7 +126,17 @@ def _feed(h, value: Any) -> None:
         except Exception as e:  # a codec refusing a value (complex128, sparse) is no crash
             raise _Unnamed(type(value).__qualname__, f"{type(e).__name__}: {e}") from None
         _piece(h, b"o", head)
+        if type(value).__module__.partition(".")[0] not in _PLAIN_TYPES:
+            _piece(h, b"c", _qualified(type(value)).encode())  # a tensor subclass is its own
         _piece(h, b"r", raw)
+
+
+# where the types a codec dumps as they are come from: any other is named by its class
+_PLAIN_TYPES = frozenset({"torch", "numpy"})
+
+
+def _qualified(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def _piece(h, tag: bytes, data) -> None:

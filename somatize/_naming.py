@@ -105,7 +105,8 @@ def live_state(n: str, node: Any, salt: str | None) -> str | None:
     """What a node computes with, as it is now: its settled digest (taken again if its
     weights or settings changed since ``freeze``) and the globals its code reads."""
     state = state_digest(node)
-    reads = reads_of(classes_of(node, _code_of(node))).now(f"node {n!r}", salt)
+    reads = reads_of(classes_of(node, _code_of(node)), getattr(node, "_soma_held", ())).now(
+        f"node {n!r}", salt)
     return f"{state or ''}|{reads}" if reads else state
 
 

@@ -17,7 +17,6 @@ Only code outside the installed packages and the standard library is walked (you
 from __future__ import annotations
 
 import dataclasses
-import dis
 import enum
 import functools
 import logging
@@ -30,6 +29,7 @@ from typing import Any
 
 from blake3 import blake3
 
+from ._bytecode import DYNAMIC, attrs_set, globals_written, loaded_globals
 from ._errors import Refused
 from ._keys import functions_of
 from ._values import codec_for
@@ -53,6 +53,19 @@ def value_namer(read: Callable[[Any], str | None]) -> None:
         _namers.append(read)
 
 
+# torch's readers of process state (torch.is_grad_enabled, torch.get_default_device),
+# registered by somatize.torch: code of yours that calls one is keyed by its answer
+_state_readers: set = set()
+_SEEDING = frozenset({"manual_seed", "seed", "set_rng_state", "fork_rng"})
+_READER_TYPES = (types.BuiltinFunctionType, types.FunctionType)
+
+
+def state_reader(read: Callable[[], Any]) -> None:
+    """Register ``read``: a function of no arguments whose answer, when the user's code
+    refers to it, is part of the key (read again at every call)."""
+    _state_readers.add(read)
+
+
 class Unnamed(Exception):
     """A value that cannot be named by value (``.args``: its path and its type)."""
 
@@ -65,6 +78,7 @@ def yours(code: types.CodeType) -> bool:
     return not os.path.realpath(f).startswith(_LIBRARY)
 
 
+@functools.lru_cache(maxsize=4096)  # asked at every call: a path resolved once per module
 def module_is_yours(mod: types.ModuleType) -> bool:
     """Whether a module object is the user's (a config module), not a package's."""
     f = getattr(mod, "__file__", None)
@@ -91,7 +105,7 @@ def name_value(v: Any, where: str, depth: int = 0,
     if v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
         return f"{type(v).__name__}:{v!r}"
     if isinstance(v, enum.Enum):
-        return f"enum:{type(v).__module__}.{type(v).__qualname__}.{v.name}"
+        return enum_text(v, again, depth)
     for read in _namers:
         got = read(v)
         if got is not None:
@@ -119,6 +133,16 @@ def name_value(v: Any, where: str, depth: int = 0,
         except Exception:  # noqa: BLE001 - a codec refusing it: unnamed, said below
             pass
     raise Unnamed(where, type(v).__qualname__)
+
+
+def enum_text(v: enum.Enum, again: Callable, depth: int) -> str:
+    """An enum member by its class, name and value (``Mode.FAST = 2.0`` in the source of
+    another run is another name)."""
+    try:
+        value = again(v.value, "value", depth + 1)
+    except Unnamed:
+        value = "?"
+    return f"enum:{type(v).__module__}.{type(v).__qualname__}.{v.name}={value}"
 
 
 def structure_text(v: Any, where: str, depth: int, again: Callable) -> str | None:
@@ -163,25 +187,44 @@ class Reads:
 
     def __init__(self, refs: list[tuple[str, dict, str, tuple[str, ...]]]):
         self.refs = refs  # (who reads it, its globals, the name, attributes read off it)
+        # whether code other than a constructor seeds torch's generator (its draws are its
+        # own, from a state it set)
+        self.seeds = any((chain[-1] if chain else name) in _SEEDING and not who.partition(
+            " ")[0].endswith(".__init__") for who, _, name, chain in refs)
 
     def now(self, who_runs: str, salt: str | None) -> str:
         """What they hold now, as one text; refused for one that cannot be named (left
         out when ``salt`` names what the key cannot see)."""
         out = []
         for who, g, name, chain in self.refs:
+            if name == DYNAMIC:
+                if salt is None:
+                    raise Refused(_computed(who_runs, who, f"{chain[0]}[...]"))
+                continue
             if name not in g:
                 continue  # a builtin (or not yet defined): not the user's data
             v, path = g[name], f"{who[6:]}.{name}" if who.startswith("class ") else name
+            owner = None  # what the value was read off, if anything
             for attr in chain:
-                if not isinstance(v, types.ModuleType) or not hasattr(v, attr):
+                if attr == DYNAMIC and (module_is_yours(v) if isinstance(
+                        v, types.ModuleType) else _walked(v)):
+                    if salt is None:
+                        raise Refused(_computed(who_runs, who, f"getattr({path}, ...)"))
                     break
-                v, path = getattr(v, attr), f"{path}.{attr}"
-            if isinstance(v, (type, types.ModuleType, types.BuiltinFunctionType)):
+                if not _walked(v) or not hasattr(v, attr):
+                    break
+                owner, v, path = v, getattr(v, attr), f"{path}.{attr}"
+            if isinstance(v, (type, types.ModuleType)):
                 continue  # code, not data: the fingerprint beside the value names it
+            if type(v) in _READER_TYPES:
+                if v in _state_readers:
+                    v, path = v(), f"{path}()"  # torch.is_grad_enabled(): its answer
+                elif owner is not None and _libraries(owner):
+                    continue  # read off a package (torch.relu): its version names it
             try:
-                text = name_value(v, path)
-                if not text.startswith("name:"):
-                    out.append(f"{path}={text}")
+                # a package's function bound by your code (ACT = torch.relu) is named too,
+                # so rebinding it is a new name
+                out.append(f"{path}={name_value(v, path)}")
             except Unnamed as e:
                 if salt is not None:
                     continue
@@ -197,21 +240,84 @@ class Reads:
         return ";".join(sorted(set(out)))
 
 
-_built: dict[tuple[type, ...], Reads] = {}
+def _computed(who_runs: str, who: str, what: str) -> str:
+    return (f"{who_runs}: {who} reads {what} by a name it computes, which the key of its "
+            "cached outputs cannot know (a change to what it reads would serve stale "
+            "outputs). Read the global by its name (CFG, config.GAIN), pass it as an "
+            "attribute, or give a salt= (.cached(salt=...), SomatizeCache(salt=...)) that you "
+            "change whenever it changes what the node computes")
 
 
-def reads_of(classes: tuple[type, ...]) -> Reads:
-    """The globals read by the code of ``classes`` (built once per tuple of classes)."""
-    got = _built.get(classes)
+def _libraries(owner: Any) -> bool:
+    # a module or class a name was read off that is a package's, not yours
+    return owner is not None and not (module_is_yours(owner) if isinstance(
+        owner, types.ModuleType) else class_is_yours(owner))
+
+
+def _walked(v: Any) -> bool:
+    # what a chain of attributes is followed through: a module, or a class of yours
+    return isinstance(v, types.ModuleType) or (isinstance(v, type) and class_is_yours(v))
+
+
+@functools.lru_cache(maxsize=4096)
+def class_is_yours(klass: type) -> bool:
+    """Whether a class is the user's (not the standard library's, nor a package's)."""
+    mod = sys.modules.get(klass.__module__ or "")
+    return not (klass.__module__ or "").startswith(_LIBRARY_MODULES) and (
+        mod is None or not getattr(mod, "__file__", None) or module_is_yours(mod))
+
+
+_built: dict[tuple, Reads] = {}
+
+
+def reads_of(classes: tuple[type, ...], held: tuple = ()) -> Reads:
+    """The globals read by the code of ``classes`` and of ``held`` (functions and classes
+    a module holds as attributes: ``code_in``), built once per tuple of them."""
+    got = _built.get((classes, held))
     if got is None:
-        got = _built[classes] = Reads(_references(classes))
+        got = _built[(classes, held)] = Reads(_references(classes, held))
     return got
 
 
-def _references(classes: tuple[type, ...]) -> list:
+def code_in(v: Any, depth: int = 0) -> list:
+    """The functions and classes of yours that ``v`` holds (a function, a bound method, a
+    dataclass, a partial, a container of them; a function's closure cells, defaults and
+    what it wraps): their code runs when ``v`` is called, so what it reads is read."""
+    if depth > 4 or v is None or isinstance(v, (bool, int, float, complex, str, bytes)):
+        return []
+    if isinstance(v, types.FunctionType):
+        inner = [*(v.__defaults__ or ()), *(v.__kwdefaults__ or {}).values()]
+        for cell in v.__closure__ or ():
+            try:
+                inner.append(cell.cell_contents)
+            except ValueError:
+                pass
+        if "__wrapped__" in vars(v):
+            inner.append(vars(v)["__wrapped__"])
+        return [v, *(c for x in inner if x is not v for c in code_in(x, depth + 1))]
+    if isinstance(v, types.MethodType):
+        return [*code_in(v.__func__, depth + 1), *code_in(type(v.__self__), depth + 1)]
+    if isinstance(v, functools.partial):
+        return [c for x in (v.func, *v.args, *v.keywords.values()) for c in code_in(x, depth + 1)]
+    if isinstance(v, type):
+        return [v] if _walked(v) else []
+    if isinstance(v, dict):
+        return [c for x in v.values() for c in code_in(x, depth + 1)]
+    if isinstance(v, (list, tuple, set, frozenset)):
+        return [c for x in v for c in code_in(x, depth + 1)]
+    if dataclasses.is_dataclass(v) or isinstance(v, enum.Enum):
+        return code_in(type(v), depth + 1)
+    return []
+
+
+def _references(classes: tuple[type, ...], held: tuple = ()) -> list:
     refs: list = []
     seen_code: set[int] = set()
+    classes = (*classes, *(c for c in held if isinstance(c, type)))
     todo: list[tuple[str, types.FunctionType]] = functions_of(classes, _LIBRARY_MODULES)
+    todo += [(f"{f.__qualname__} (held as an attribute)", f) for f in held
+             if isinstance(f, types.FunctionType)]
+    reached: list[type] = []  # classes of yours the code reaches: their code and data too
     written: set[tuple[int, str]] = set()  # (id of its globals, name)
     set_attrs: set[str] = set()  # attributes the code sets (Encoder.runs += 1: a counter)
     while todo:
@@ -221,28 +327,27 @@ def _references(classes: tuple[type, ...]) -> list:
             continue
         seen_code.add(id(fn.__code__))
         written |= {(id(fn.__globals__), n) for n in globals_written(fn.__code__)}
-        set_attrs |= _attrs_set(fn.__code__)
-        for name, chain in _globals_loaded(fn.__code__):
+        set_attrs |= attrs_set(fn.__code__)
+        # a decorated helper's wrapped function, a function in a closure cell or default
+        todo += [(f"{c.__qualname__} (called by {who})", c) for c in code_in(fn)[1:]
+                 if isinstance(c, types.FunctionType)]
+        for name, chain in loaded_globals(fn.__code__):
             refs.append((who, fn.__globals__, name, chain))
             v = fn.__globals__.get(name)
-            for attr in chain:  # helpers.scale: a function reached through a module
-                if not isinstance(v, types.ModuleType):
+            for attr in chain:  # helpers.scale, Helper.scale: reached through a module
+                if not _walked(v):
                     break
                 v = getattr(v, attr, None)
-            if isinstance(v, types.FunctionType):
-                todo.append((f"{v.__qualname__} (called by {who})", v))
+            for c in code_in(v):  # a function, one in a dict (ACTS["relu"]), a class
+                if isinstance(c, types.FunctionType):
+                    todo.append((f"{c.__qualname__} (called by {who})", c))
+                elif c not in classes and c not in reached:
+                    reached.append(c)
+                    todo += [f for f in functions_of((c,), _LIBRARY_MODULES)
+                             if yours(f[1].__code__)]
     # a global the code writes into is its bookkeeping (a counter, a log), not an input
-    return [r for r in refs if (id(r[1]), r[2]) not in written] + _class_data(classes,
-                                                                                set_attrs)
-
-
-def _attrs_set(code: types.CodeType) -> set[str]:
-    out = {str(op.argval) for op in dis.get_instructions(code)
-           if op.opname in ("STORE_ATTR", "DELETE_ATTR")}
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            out |= _attrs_set(c)
-    return out
+    return [r for r in refs if (id(r[1]), r[2]) not in written] + _class_data(
+        (*classes, *reached), set_attrs)
 
 
 def _class_data(classes: tuple[type, ...], set_attrs: set[str]) -> list:
@@ -252,11 +357,12 @@ def _class_data(classes: tuple[type, ...], set_attrs: set[str]) -> list:
     counter, ``Encoder.runs += 1``) is its bookkeeping, left out."""
     refs, seen = [], set()
     for klass in (k for c in classes for k in c.__mro__):
-        if klass in seen or klass is object or klass.__module__.startswith(_LIBRARY_MODULES):
+        if klass in seen or klass is object or not class_is_yours(klass):
             continue
         seen.add(klass)
         for name, v in vars(klass).items():
-            if name.startswith("__") or isinstance(v, _CODE) or name in set_attrs:
+            if name.startswith("__") or isinstance(v, _CODE) or name in set_attrs or hasattr(
+                    type(v), "__get__"):  # a descriptor (a namedtuple's field): code
                 continue
             refs.append((f"class {klass.__qualname__}", vars(klass), name, ()))
     return refs
@@ -266,112 +372,3 @@ def _class_data(classes: tuple[type, ...], set_attrs: set[str]) -> list:
 _CODE = (types.FunctionType, staticmethod, classmethod, property, type, types.ModuleType,
          types.BuiltinFunctionType, types.MemberDescriptorType, types.GetSetDescriptorType,
          functools.cached_property)
-
-
-def _globals_loaded(code: types.CodeType) -> list[tuple[str, tuple[str, ...]]]:
-    out = []
-    ins = list(dis.get_instructions(code))
-    for i, op in enumerate(ins):
-        if op.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
-            chain = []
-            for nxt in ins[i + 1:]:
-                if nxt.opname not in ("LOAD_ATTR", "LOAD_METHOD"):
-                    break
-                chain.append(str(nxt.argval))
-            out.append((str(op.argval), tuple(chain)))
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            out += _globals_loaded(c)
-    return out
-
-
-# methods that change the object they are called on: a global called so is written
-_MUTATORS = frozenset({"append", "extend", "insert", "add", "update", "setdefault", "pop",
-                       "popitem", "clear", "remove", "discard", "__setitem__", "write"})
-_NO_PUSH = ("STORE_", "DELETE_", "POP_JUMP", "JUMP", "PRECALL", "KW_NAMES", "NOP", "RESUME",
-            "CACHE", "EXTENDED_ARG", "POP_TOP", "RETURN_VALUE", "POP_EXCEPT", "RAISE",
-            "RERAISE", "PRINT_EXPR", "SETUP_", "END_")
-
-
-def globals_written(code: types.CodeType) -> set[str]:
-    """The globals ``code`` writes into: assigned (``global n; n = ...``), an item or an
-    attribute set or deleted on them (``RUNS[k] += 1``), or a mutating method called on
-    them (``LOG.append``). Found by following each global along a simulated stack: only
-    clear evidence counts, so a global merely read is never taken for written."""
-    out: set[str] = set()
-    stack: list[str | None] = []
-    ins = list(dis.get_instructions(code))
-    for op in ins:
-        name = op.opname
-        if name in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-            out.add(str(op.argval))
-        if name == "LOAD_METHOD" and stack and stack[-1] and str(op.argval) in _MUTATORS:
-            out.add(stack[-1])
-        if name in ("STORE_SUBSCR", "DELETE_SUBSCR") and len(stack) >= 2 and stack[-2]:
-            out.add(stack[-2])
-        if name in ("STORE_ATTR", "DELETE_ATTR") and stack and stack[-1]:
-            out.add(stack[-1])
-        try:
-            effect = dis.stack_effect(op.opcode, op.arg if op.opcode >= dis.HAVE_ARGUMENT
-                                      else None, jump=False)
-        except ValueError:
-            stack = []
-            continue
-        if name == "COPY":
-            stack.append(stack[-op.arg] if len(stack) >= op.arg else None)
-            continue
-        if name == "SWAP":
-            if len(stack) >= op.arg:
-                stack[-1], stack[-op.arg] = stack[-op.arg], stack[-1]
-            continue
-        if name in ("LOAD_GLOBAL", "LOAD_NAME"):
-            stack += [None] * (effect - 1) + [str(op.argval)]
-            continue
-        if name == "LOAD_METHOD":
-            pops, pushes = 1, 2
-        elif name.startswith("UNPACK_"):
-            pops, pushes = 1, effect + 1
-        elif name.startswith(_NO_PUSH):
-            pops, pushes = -effect, 0
-        elif effect >= 1:
-            pops, pushes = 0, effect
-        else:
-            pops, pushes = 1 - effect, 1
-        if pops > len(stack) or pops < 0:
-            stack = []  # lost track (a jump's other side): start again, knowing nothing
-            continue
-        if pops:
-            del stack[-pops:]
-        stack += [None] * pushes
-    for c in code.co_consts:
-        if isinstance(c, types.CodeType):
-            out |= globals_written(c)
-    return out
-
-
-def script_name(cls: type) -> str:
-    """A class's module as the same dotted name whether its file runs as the script
-    (``__main__``) or is imported: the script's path from the first ``sys.path`` entry
-    that holds it, else its file name."""
-    mod = cls.__module__
-    if mod != "__main__":
-        return mod
-    main = sys.modules.get("__main__")
-    spec = getattr(main, "__spec__", None)
-    if spec is not None and spec.name:
-        return spec.name  # python -m pkg.mod
-    f = getattr(main, "__file__", None)
-    if not f:
-        return mod
-    f = os.path.realpath(f)
-    for p in sys.path:
-        base = os.path.realpath(p or os.getcwd()) + os.sep
-        if f.startswith(base):
-            rel = os.path.splitext(f[len(base):])[0]
-            return rel.replace(os.sep, ".")
-    return os.path.splitext(os.path.basename(f))[0]
-
-
-def class_name(cls: type) -> str:
-    """``module.Qualname`` of a class, the same when its file runs as the script."""
-    return f"{script_name(cls)}.{cls.__qualname__}"

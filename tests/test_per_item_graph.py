@@ -104,9 +104,11 @@ def test_a_mapped_node_computes_each_item_once_and_trains_as_the_oracle(tmp_path
     assert losses == want
     assert torch.equal(head.weight, want_head.weight) and torch.equal(head.bias, want_head.bias)
     assert rows_computed(tmp_path / "a.log") == {os.getpid(): 48}
-    # another run on the same store, in other orders, computes nothing
-    losses, head = train(tmp_path, tmp_path / "b.log", [5, 6])
-    assert rows_computed(tmp_path / "b.log") == {}
+    # another run on the same store, in other orders, computes nothing (its log path is
+    # one of its settings, in its key: the same path, emptied)
+    (tmp_path / "a.log").unlink()
+    losses, head = train(tmp_path, tmp_path / "a.log", [5, 6])
+    assert rows_computed(tmp_path / "a.log") == {}
     assert losses == oracle([5, 6])[0]
 
 

@@ -31,6 +31,7 @@ from ..._keys import changed, classes_of, fingerprint, key_of_input, key_of_node
 from ..._reads import reads_of
 from ..._say import say_once
 from ._freeze import digest_of, named_state
+from ._named import drawing_refused, held_code
 from ._watch import Watch
 
 
@@ -73,7 +74,7 @@ class CachedForward:
         self._watch = Watch(self.module, state)
         classes = classes_of(self.module, type(self.module))  # a child's code is its too
         self.code = json.dumps(fingerprint(*classes), sort_keys=True)
-        self.reads = reads_of(classes)
+        self.reads = reads_of(classes, held_code([self.module]))
         self.state()  # a global that cannot be named is refused now, not at the first call
 
     def state(self) -> str | None:
@@ -99,10 +100,19 @@ class CachedForward:
             self._check_code(kept.meta)
             return on_device(kept.value, self.device(args, kwargs))
         self.misses += 1
-        out = self.run(*args, **kwargs)
+        out = self.compute(*args, **kwargs)
         keeper.put(f"value/{key}", out, {"node": self.path, "class": self.kind,
                                          "fingerprint": self.code})
         return out
+
+    def compute(self, *args: Any, **kwargs: Any) -> Any:
+        """The module's own forward, for a miss: refused if it drew from torch's random
+        generator (its output is then no function of what its key names)."""
+        if self.reads is not None and self.reads.seeds:  # it seeds the generator itself
+            return self.run(*args, **kwargs)
+        return drawing_refused(f"module {self.path!r} ({self.kind})",
+                               lambda: self.run(*args, **kwargs),
+                               f"SomatizeCache(modules=...) for {self.path!r}")
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own forward."""

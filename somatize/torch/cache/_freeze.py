@@ -18,8 +18,8 @@ from .._codec import to_blob
 from .._private import versions
 from .._state import modules_of, state_of
 from ._coupled import refuse_coupled_node
-from ._named import settings_of
-from ._watch import Watch
+from ._named import held_code, own_attributes, own_settings, settings_of
+from ._watch import Watch, _inner_of, _may_mutate
 
 
 def named_state(node: Any, where: str = "", salt: str | None = None
@@ -33,6 +33,11 @@ def named_state(node: Any, where: str = "", salt: str | None = None
         state += [(k, t) for k, t in sorted(vars(node).items(), key=lambda kv: kv[0])
                   if isinstance(t, torch.Tensor) and id(t) not in seen]
     pieces: list[str] = []
+    if not isinstance(node, torch.nn.Module):  # a graph node's own settings (self.gain)
+        tensors: list[tuple[str, torch.Tensor]] = []
+        pieces += own_settings(node, where or type(node).__name__, salt, tensors)
+        seen = {id(t) for _, t in state}
+        state += [(k, t) for k, t in tensors if id(t) not in seen]
     for name, m in modules_of(node):
         pieces += [f"{name}/{p}" for p in _settings(m, where or name or type(m).__name__,
                                                     salt, state, name)]
@@ -111,16 +116,22 @@ class _Settled:
 
 
 def _own_tensors(node: Any) -> list:
+    # a node's own attributes by identity (tensors by version too, and what can change
+    # under its identity, a function or a container, by its text)
     if isinstance(node, torch.nn.Module):
         return []
-    own = [(k, t) for k, t in vars(node).items() if isinstance(t, torch.Tensor)]
-    return [(k, id(t)) for k, t in own] + versions([t for _, t in own])
+    own = own_attributes(node)
+    return [(k, id(v)) for k, v in own] + versions(
+        [t for _, t in own if isinstance(t, torch.Tensor)]) + _inner_of(
+        [(node, k, v) for k, v in own if _may_mutate(v)])
 
 
 def settle(node: Any, n: str, salt: str | None) -> None:
     """Digest a frozen node's state and settings, and watch them for a later change."""
     node._soma_digest = state_digest(node, n, salt)
     node._soma_settled = _Settled(node, n, salt)
+    # the functions and classes it holds: what they read is in its key (live_state)
+    node._soma_held = held_code([node, *(m for _, m in modules_of(node))])
 
 
 def _settle_again(node: Any) -> None:

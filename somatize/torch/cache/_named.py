@@ -22,19 +22,24 @@ import enum
 import functools
 import types
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from ..._bytecode import attrs_set
+from ..._classes import class_name
 from ..._errors import Refused
 from ..._keys import call_state
 from ..._reads import (
     Unnamed,
-    class_name,
     code_digest,
+    code_in,
+    enum_text,
     function_text,
     module_is_yours,
     name_value,
+    state_reader,
     structure_text,
     value_namer,
     yours,
@@ -100,6 +105,9 @@ def _math_readers() -> list:
         _readers = [(n, _reader(n) if n.startswith("backends.") else known[n]) for n in names]
         # what a tensor made in the forward (torch.ones(4)) is, and so what it promotes to
         _readers.append(("default_dtype", torch.get_default_dtype))
+        mha = getattr(torch.backends, "mha", None)  # a Transformer layer's fused path in eval
+        if mha is not None and hasattr(mha, "get_fastpath_enabled"):
+            _readers.append(("mha_fastpath", mha.get_fastpath_enabled))
     return _readers
 
 
@@ -149,6 +157,14 @@ def _torch_value(v: Any) -> str | None:
 
 
 value_namer(_torch_value)
+# torch's readers of the state of the process: a forward that asks one computes by its
+# answer (``if torch.is_grad_enabled(): ...``), so its answer is in that forward's key
+for _read in ("is_grad_enabled", "is_inference_mode_enabled", "get_default_device",
+              "get_default_dtype", "get_num_threads",
+              "are_deterministic_algorithms_enabled", "get_float32_matmul_precision",
+              "is_anomaly_enabled"):
+    if hasattr(torch, _read):
+        state_reader(getattr(torch, _read))
 
 
 def settings_of(module: torch.nn.Module, where: str, salt: str | None = None,
@@ -166,8 +182,9 @@ def settings_of(module: torch.nn.Module, where: str, salt: str | None = None,
     tree = {id(m) for m in module.modules()}
     for prefix, m in module.named_modules(remove_duplicate=False):
         pieces.append(f"{prefix}:class={class_name(type(m))}")
-        attrs = [(k, v) for k, v in vars(m).items()
-                 if not (k in _BOOKKEEPING or k.startswith("_soma") or _ours(k, v))]
+        written = forward_writes(type(m))  # its forward's bookkeeping (self.calls += 1)
+        attrs = [(k, v) for k, v in vars(m).items() if not (
+            k in _BOOKKEEPING or k.startswith("_soma") or _ours(k, v) or k in written)]
         if prefix or hooks:  # a child's hooks run inside the cached forward
             attrs += [(k, [_hook(h, tree) for h in d.values()])
                       for k, d in zip(FORWARD_HOOKS, forward_hooks(m), strict=True) if d]
@@ -178,15 +195,58 @@ def settings_of(module: torch.nn.Module, where: str, salt: str | None = None,
             except Unnamed as e:
                 if salt is not None:
                     continue  # the caller's salt names what this attribute changes
-                what, kind = e.args
-                raise Refused(
-                    f"module {where!r}: its attribute {what!r} holds a {kind}, which the "
-                    "key of its cached outputs cannot name (a change to it would serve stale "
-                    "outputs). Make it a buffer (register_buffer) or a plain value (a "
-                    "number, string, tuple...), or give SomatizeCache a salt= (.cached(salt=) "
-                    "on a graph) that you change whenever it changes what the module "
-                    "computes") from None
+                raise _unnamed(where, *e.args) from None
     return pieces, tensors
+
+
+def own_settings(node: Any, where: str, salt: str | None, tensors: list) -> list[str]:
+    """A graph node's own plain attributes (``self.gain``, ``self.act``), named as a
+    module's settings are (its modules and tensors are state: named apart)."""
+    tree = {id(m) for v in vars(node).values() if isinstance(v, torch.nn.Module)
+            for m in v.modules()}
+    pieces = []
+    for k, v in own_attributes(node):
+        if isinstance(v, (torch.nn.Module, torch.Tensor)):
+            continue
+        if isinstance(v, types.MethodType) and v.__self__ is node:
+            v = v.__func__  # its own method (self.step = self._step): its code
+        try:
+            pieces.append(f"{k}={_named(v, k, tensors, 0, tree)}")
+        except Unnamed as e:
+            if salt is None:
+                raise _unnamed(f"node {where!r}", *e.args) from None
+    return pieces
+
+
+def own_attributes(node: Any) -> list[tuple[str, Any]]:
+    """A graph node's own attributes, by name, less somatize's and those its forward
+    writes (``self.runs += 1``: bookkeeping it keeps, not a setting)."""
+    written = forward_writes(type(node))
+    return sorted((k, v) for k, v in vars(node).items()
+                  if not k.startswith("_soma") and k not in written)
+
+
+@functools.lru_cache(maxsize=1024)
+def forward_writes(cls: type) -> frozenset[str]:
+    """The attributes a class's ``forward`` sets (``self.calls += 1``): what the forward
+    keeps for itself, not what it computes with. Only a forward of yours counts; a setter
+    method's writes are settings, in the key."""
+    fn = getattr(cls, "forward", None)
+    fn = getattr(fn, "__func__", fn)
+    if not isinstance(fn, types.FunctionType) or not yours(fn.__code__) or (
+            fn.__module__ or "").startswith(("somatize", "torch")):
+        return frozenset()
+    return frozenset(attrs_set(fn.__code__))
+
+
+def _unnamed(where: str, what: str, kind: str) -> Refused:
+    where = where if where.startswith("node ") else f"module {where!r}"
+    return Refused(
+        f"{where}: its attribute {what!r} holds a {kind}, which the key of its cached outputs "
+        "cannot name (a change to it would serve stale outputs). Make it a buffer "
+        "(register_buffer) or a plain value (a number, string, tuple...), or give "
+        "SomatizeCache a salt= (.cached(salt=) on a graph) that you change whenever it "
+        "changes what the module computes")
 
 
 def _hook(h: Any, tree: set) -> Any:
@@ -224,7 +284,7 @@ def _named(v: Any, name: str, tensors: list, depth: int, tree: set | None = None
     if isinstance(v, (torch.dtype, torch.device, torch.Size)):
         return f"{type(v).__name__}:{v}"
     if isinstance(v, enum.Enum):
-        return f"enum:{type(v).__module__}.{type(v).__qualname__}.{v.name}"
+        return enum_text(v, lambda x, w, d: _named(x, w, tensors, d, tree), depth)
     if isinstance(v, torch.Tensor):
         tensors.append((name, v))  # by content, with the state (deduplicated there)
         return f"tensor:{name}"
@@ -251,3 +311,46 @@ def _named(v: Any, name: str, tensors: list, depth: int, tree: set | None = None
     again = lambda x, w, d: _named(x, w, tensors, d, tree)  # noqa: E731
     text = structure_text(v, name, depth, again)
     return text if text is not None else name_value(v, name, depth, again)
+
+
+def held_code(holders: list) -> tuple:
+    """The functions and classes of yours the modules in ``holders`` (and their children)
+    hold as attributes or as a child's hooks: what they read is in the key too
+    (``_reads.code_in``). A holder that is not a module (a graph node) counts its own."""
+    out: list = []
+    for holder in holders:
+        mods = list(holder.modules()) if isinstance(holder, torch.nn.Module) else [holder]
+        for m in mods:
+            out += [c for k, v in vars(m).items() if not (
+                k in _BOOKKEEPING or k.startswith("_soma") or _ours(k, v)) for c in code_in(v)]
+            if m is not holder:  # a child's hooks run inside its forward
+                out += [c for d in forward_hooks(m) for h in d.values() for c in code_in(h)]
+    return tuple(dict.fromkeys(out))
+
+
+def rng_state() -> tuple:
+    """What torch's random generators are at now (the CPU's state; CUDA's offsets, where
+    CUDA is in use): a forward that draws moves them."""
+    cpu = torch.default_generator.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return (cpu, *(g.get_offset() for g in torch.cuda.default_generators))
+    return (cpu,)
+
+
+def same_rng(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and torch.equal(a[0], b[0]) and a[1:] == b[1:]
+
+
+def drawing_refused(who: str, run: Callable[[], Any], where: str) -> Any:
+    """``run()``, refused if it drew from torch's random generator: its output is then no
+    function of what its key names, and a kept one would be served where computing again
+    gives another."""
+    before = rng_state()
+    out = run()
+    if not same_rng(before, rng_state()):
+        raise Refused(
+            f"{who} draws from torch's random generator in its forward (a dropout in train "
+            "mode, torch.rand...): its output is not a function of its input, and a kept one "
+            "would be served where computing again gives another. Put it in eval mode "
+            f"(.eval()), seed the generator in its forward, or leave it out of {where}")
+    return out

@@ -31,9 +31,10 @@ from blake3 import blake3
 
 from ..._errors import Refused
 from ..._keeper import items_of_keeper
-from ..._keys import changed, digest, state_of_call
+from ..._keys import changed, classes_of, digest, state_of_call
 from ..._naming import _fingerprint_of, live_state
 from ..._node import kind_of
+from ..._reads import reads_of
 from ..._say import say_once
 from ..._values import Opaque, bare
 from ...store._items import Items, Space
@@ -45,9 +46,11 @@ from .._state import modules_of
 from ._cached import CachedForward, _refuse_trained_input
 from ._coupled import refuse_coupled, refuse_coupled_node
 from ._gather import gather
+from ._named import drawing_refused
 
 CONTEXT = "somatize 2026-12 per-item key v1"
 NAMES, DTYPES = CODEC_DTYPES, TORCH_DTYPES  # the codec's one table: torch dtype <-> name
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass of its own names its rows apart
 CHUNK = 32  # misses are computed in batches of this many rows (padded): docs/per-item.md
 
 
@@ -66,6 +69,7 @@ def _module_key(*pieces: str) -> str:
 def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
     """One 16-byte key per row of ``x`` (hashed in place on a contiguous CPU copy, in one
     native call: ``_rows``)."""
+    sub = "" if type(x) in _PLAIN else f"{type(x).__module__}.{type(x).__qualname__}"
     x = x.detach()
     if x.device.type != "cpu":
         x = x.cpu()
@@ -73,7 +77,7 @@ def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
     n = x.shape[0]
     if n == 0:
         return []
-    key = _rows_key(mkey, x.dtype, tuple(x.shape[1:]))
+    key = _rows_key(mkey, x.dtype, tuple(x.shape[1:]), sub)
     size = x.numel() * x.element_size()
     if size and native() is not None:  # the hasher reads the tensor's bytes where they are
         return row_keys(key, size, n, x.data_ptr())
@@ -83,10 +87,10 @@ def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
 
 
 @functools.lru_cache(maxsize=256)
-def _rows_key(mkey: str, dtype: torch.dtype, row: tuple[int, ...]) -> bytes:
+def _rows_key(mkey: str, dtype: torch.dtype, row: tuple[int, ...], sub: str = "") -> bytes:
     """A key of its own per module and row layout, derived under our context: each row is
     then keyed BLAKE3 (a mode no whole-value key uses), many rows at a time (_rows)."""
-    return blake3(bytes.fromhex(mkey) + f"{dtype}{list(row)}".encode(),
+    return blake3(bytes.fromhex(mkey) + f"{dtype}{list(row)}{sub}".encode(),
                   derive_key_context=CONTEXT).digest()
 
 
@@ -328,7 +332,7 @@ class PerItemForward(CachedForward):
         if self._watch is None or self.reads is None or self._watch.changed(self.module):
             refuse_coupled(self.module, self.path)  # a layer's train flag is watched too
             self.settle()  # its weights or settings were written: a new name
-        out, _ = self.item(args[0], self.run, self.state(), {"fingerprint": self.code},
+        out, _ = self.item(args[0], self.compute, self.state(), {"fingerprint": self.code},
                            _device_of(self.module))
         self.hits, self.misses = self.item.hits, self.item.misses
         return out
@@ -350,7 +354,7 @@ def answer_mapped(graph, n: str, node: Any, x: Any, keeper: Any, run) -> tuple[A
     opaque = []
 
     def compute(sub: torch.Tensor) -> torch.Tensor:
-        y = run(Opaque(sub) if wrapped else sub)
+        y = computed_node(graph, n, node, lambda: run(Opaque(sub) if wrapped else sub))
         opaque.append(isinstance(y, Opaque))
         return bare(y)
 
@@ -358,6 +362,15 @@ def answer_mapped(graph, n: str, node: Any, x: Any, keeper: Any, run) -> tuple[A
     out, ran = item(bare(x), compute, live_state(n, node, graph.memory.cached.get(n)),
                     {"fingerprint": _fingerprint_of(node)}, dev)
     return (Opaque(out) if (opaque[0] if opaque else wrapped) else out), ran
+
+
+def computed_node(graph, n: str, node: Any, run: Callable[[], Any]) -> Any:
+    """The engine's ``computed`` hole: a cached node's miss, refused if its forward drew
+    from torch's random generator (unless its code seeds it)."""
+    classes = classes_of(node, getattr(node, "_soma_code", None) or type(node))
+    if reads_of(classes, getattr(node, "_soma_held", ())).seeds:
+        return run()
+    return drawing_refused(f"node {n!r} ({kind_of(node)})", run, f".cached() on {n!r}")
 
 
 def mapped_counts(graph) -> tuple[int, int]:

@@ -25,7 +25,7 @@ import torch
 
 from ..._reads import Unnamed, module_is_yours
 from .._private import children, forward_hooks, own_tensors, versions
-from ._named import _BOOKKEEPING, _named, _ours
+from ._named import _BOOKKEEPING, _named, _ours, forward_writes
 
 # what a container may hold and still be copied shallowly (by identity): values that
 # cannot change under their identity
@@ -45,7 +45,7 @@ class Watch:
         # the attributes whose value can change under its identity (the only ones _inner
         # reads, while every attribute is the object it was: _same_now says so first)
         self.maybe = [(m, k, v) for m in module.modules() for k, v in m.__dict__.items()
-                      if k not in _BOOKKEEPING and not _ours(k, v) and _may_mutate(v)]
+                      if k not in _skipped(m) and not _ours(k, v) and _may_mutate(v)]
         self.hooks = [(d, tuple(d.values())) for m in module.modules()
                       if hooks or m is not module
                       for d in forward_hooks(m)]  # a child's, added or removed
@@ -105,15 +105,16 @@ def _may_mutate(v: Any) -> bool:
 
 def _inner(module: torch.nn.Module) -> list:
     return _inner_of([(m, k, v) for m in module.modules() for k, v in m.__dict__.items()
-                      if k not in _BOOKKEEPING and not _ours(k, v)])
+                      if k not in _skipped(m) and not _ours(k, v)])
 
 
 def _inner_of(attrs: list) -> list:
     out = []
     for m, k, v in attrs:
         if _mutable(v):
+            held: list = []  # the tensors it holds, by identity (a field rebound to another)
             try:
-                out.append((id(m), k, _named(v, k, [], 0)))
+                out.append((id(m), k, _named(v, k, held, 0), [id(t) for _, t in held]))
             except Unnamed:
                 out.append((id(m), k, None))
     return out
@@ -123,8 +124,8 @@ def _seen(module: torch.nn.Module) -> list:
     # one pass: each module, its tensors and children by identity, and its own attributes
     # with a shallow copy of the containers among them
     return [(m, *own_tensors(m), children(m),
-             [(k, v, _shallow(v)) for k, v in m.__dict__.items() if k not in _BOOKKEEPING])
-            for m in module.modules()]
+             [(k, v, _shallow(v)) for k, v in m.__dict__.items() if k not in skip], skip)
+            for m in module.modules() for skip in (_skipped(m),)]
 
 
 def _same_now(module: torch.nn.Module, then: list) -> bool:
@@ -132,14 +133,14 @@ def _same_now(module: torch.nn.Module, then: list) -> bool:
     root, and each module seen with the same children, is the same tree."""
     if not then or then[0][0] is not module:
         return False
-    for m, ps0, bs0, kids0, items0 in then:
+    for m, ps0, bs0, kids0, items0, skip in then:
         ps, bs = own_tensors(m)
         if not _identical(ps, ps0) or not _identical(bs, bs0) or not _identical(
                 children(m), kids0):
             return False
         j, left = 0, len(items0)
         for k, v in m.__dict__.items():
-            if k in _BOOKKEEPING:
+            if k in skip:
                 continue
             if j == left:
                 return False
@@ -152,6 +153,12 @@ def _same_now(module: torch.nn.Module, then: list) -> bool:
         if j != left:
             return False
     return True
+
+
+def _skipped(m: torch.nn.Module) -> frozenset[str]:
+    # torch's own attributes, and those the module's forward writes (its bookkeeping)
+    written = forward_writes(type(m))
+    return _BOOKKEEPING | written if written else _BOOKKEEPING
 
 
 def _identical(a: tuple, b: tuple) -> bool:
