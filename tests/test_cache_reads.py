@@ -5,6 +5,7 @@ routes: a module's cached forward (what ``SomatizeCache`` installs) and a graph'
 ``.cached()`` / ``.mapped()`` node after ``freeze(g)``."""
 
 import dataclasses
+import functools
 
 import pytest
 import reads_config
@@ -179,24 +180,46 @@ class Conv(nn.Module):
         return self.conv(self.lin(x).unsqueeze(1)).flatten(1)
 
 
-@pytest.mark.parametrize("setting", ["mkldnn", "matmul_precision"])
+def _flush(on):
+    was = _TINY[0] * 1.0 == 0.0  # (torch has no read of it)
+    torch.set_flush_denormal(on)
+    return was
+
+
+_TINY = [1e-310]
+_SETTINGS = {  # each: set it to another value, answer how to set it back
+    "mkldnn": lambda: functools.partial(setattr, torch.backends.mkldnn, "enabled",
+                                        _swap(torch.backends.mkldnn, "enabled", False)),
+    "mkldnn_deterministic": lambda: functools.partial(
+        setattr, torch.backends.mkldnn, "deterministic",
+        _swap(torch.backends.mkldnn, "deterministic", True)),
+    "matmul_precision": lambda: functools.partial(
+        torch.set_float32_matmul_precision,
+        (torch.get_float32_matmul_precision(), torch.set_float32_matmul_precision("medium"))[0]),
+    "flush_denormal": lambda: functools.partial(torch.set_flush_denormal, _flush(True)),
+    "quantized_engine": lambda: functools.partial(
+        setattr, torch.backends.quantized, "engine",
+        _swap(torch.backends.quantized, "engine", "qnnpack")),
+}
+
+
+def _swap(owner, name, value):
+    was = getattr(owner, name)
+    setattr(owner, name, value)
+    return was
+
+
+@pytest.mark.parametrize("setting", sorted(_SETTINGS))
 def test_a_math_setting_changed_is_a_miss(tmp_path, setting):
     m, plain = cached(Conv(), tmp_path)
     first = m(X)
-    if setting == "mkldnn":
-        before, torch.backends.mkldnn.enabled = torch.backends.mkldnn.enabled, False
-    else:
-        before = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("medium")
+    back = _SETTINGS[setting]()
     try:
         n = len(list((tmp_path / "names" / "value").iterdir()))
         check_fresh(m, plain)
         assert len(list((tmp_path / "names" / "value").iterdir())) == n + 1  # a new name
     finally:
-        if setting == "mkldnn":
-            torch.backends.mkldnn.enabled = before
-        else:
-            torch.set_float32_matmul_precision(before)
+        back()
     assert torch.equal(m(X), first)  # and back: the first name again
 
 

@@ -73,7 +73,7 @@ _MATH = [
     _attr("backends.mkldnn.deterministic"),
     _attr("backends.opt_einsum.enabled"),
     _attr("backends.opt_einsum.strategy"),
-    ("backends.mha.fastpath", torch.backends.mha.get_fastpath_enabled,
+    ("mha_fastpath", torch.backends.mha.get_fastpath_enabled,
      torch.backends.mha.set_fastpath_enabled),
     _attr("backends.quantized.engine"),
     ("flush_denormal", _flushing, torch.set_flush_denormal),

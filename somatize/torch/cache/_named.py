@@ -87,9 +87,12 @@ call_state(global_hooks)
 # flags of the CPU, and those of CUDA (cuBLAS's workspace too) where CUDA is present. The
 # thread count is not (a store shared by machines of other sizes would never hit).
 _CPU = ("float32_matmul_precision", "deterministic_algorithms", "backends.mkldnn.enabled",
-        "backends.mkldnn.matmul.fp32_precision", "backends.mkldnn.conv.fp32_precision",
-        "backends.mkldnn.rnn.fp32_precision", "backends.opt_einsum.enabled",
-        "backends.nnpack.enabled")
+        "backends.mkldnn.deterministic", "backends.mkldnn.matmul.fp32_precision",
+        "backends.mkldnn.conv.fp32_precision", "backends.mkldnn.rnn.fp32_precision",
+        "backends.opt_einsum.enabled", "backends.opt_einsum.strategy",
+        "backends.nnpack.enabled", "backends.quantized.engine",
+        "mha_fastpath",  # a Transformer layer's fused path in eval
+        "flush_denormal")  # read from the CPU's own float math (torch has no read of it)
 _readers: list | None = None
 
 
@@ -105,9 +108,6 @@ def _math_readers() -> list:
         _readers = [(n, _reader(n) if n.startswith("backends.") else known[n]) for n in names]
         # what a tensor made in the forward (torch.ones(4)) is, and so what it promotes to
         _readers.append(("default_dtype", torch.get_default_dtype))
-        mha = getattr(torch.backends, "mha", None)  # a Transformer layer's fused path in eval
-        if mha is not None and hasattr(mha, "get_fastpath_enabled"):
-            _readers.append(("mha_fastpath", mha.get_fastpath_enabled))
     return _readers
 
 
