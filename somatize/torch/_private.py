@@ -276,6 +276,15 @@ def forward_hooks(m: torch.nn.Module) -> list:
     return [_need(m, attr, "the hooks run inside a cached forward") for attr in FORWARD_HOOKS]
 
 
+def global_hook_tables() -> tuple[dict, dict]:
+    """torch's tables of the forward pre-hooks and hooks registered for every module (both
+    empty: none), read at every placed call."""
+    from torch.nn.modules import module as m  # noqa: PLC0415 - torch's own tables
+
+    return tuple(_need(m, attr, "the hooks every module runs")
+                 for attr in ("_global_forward_pre_hooks", "_global_forward_hooks"))
+
+
 def global_forward_hooks() -> list:
     """The forward pre-hooks and hooks registered for every module
     (``register_module_forward_pre_hook`` / ``register_module_forward_hook``)."""

@@ -26,7 +26,7 @@ import torch
 from ..._errors import Refused
 from .._pickling import dumps, token
 from .._private import (
-    global_forward_hooks,
+    global_hook_tables,
     hook_count,
     hook_dicts,
     hooks_of,
@@ -66,6 +66,7 @@ class Routing:
         self.hooked: list[int] = []  # per child: its hooks when last looked at
         self.routed: list = []
         self.carried: dict[str, Any] = {}  # the context variables children's hooks read
+        self.every = global_hook_tables()  # torch's hooks for every module (refused)
 
     def install(self) -> None:
         module = self.link.module
@@ -152,7 +153,8 @@ class Routing:
         """Queue the hooks put on children here (or removed) since the module was sent:
         they run over there, where the children run. A hook registered for every module
         is refused: it would run around the module here, never around its children."""
-        if global_forward_hooks():
+        pre, post = self.every
+        if pre or post:
             name = self.link.name
             raise Refused(
                 f"a forward hook registered for every module is on here "
