@@ -35,6 +35,7 @@ class Watched:
         self.values = self._now()
         self.copies = _copies(self.values)
         self.sent = False
+        self.first = False  # whether the last changes() were the first call's
 
     def _now(self) -> list:
         return [g.get(name, _MISSING) for _, g, name, _ in self.refs]
@@ -49,6 +50,7 @@ class Watched:
                 now[i] == then for i, then in self.copies):  # (the same objects, as they were)
             return ()
         first, self.sent = not self.sent, True
+        self.first = first
         out = []
         copied = dict(self.copies)
         for i, ((who, _, global_name, where), v, then) in enumerate(
@@ -75,10 +77,11 @@ class SetGlobals:
     """The globals to set over there, where the placed module's code reads them."""
 
     values: tuple  # (the module of the code that reads it, the name, the value)
+    first: bool = False  # sent with the first call since the module (or a child) was sent
 
     def apply(self, placed: Any) -> None:
         where = placed.__dict__.get("global_refs")
-        if where is None:  # its code's globals over there, found as they are here
+        if where is None or self.first:  # its code's globals over there, as here
             where = placed.__dict__["global_refs"] = {}
             for _, g, name, module in _references(placed.module):
                 where.setdefault((module, name), []).append(g)

@@ -178,6 +178,7 @@ class Link:
         # a child, parameter or buffer registered here (sent with the next message)
         self.routing.reinstall()
         self.buffered = any(True for _ in self.module.buffers())
+        self.globals = Watched(self.module)  # a new child's code: what it reads too
         fresh(self)
 
     def uninstall(self) -> None:
@@ -189,7 +190,7 @@ class Link:
         if self.globals is not None:  # what its code reads of its globals, as here
             values = self.globals.changes(self.name, self.host)
             if values:
-                self.ops.append(SetGlobals(values))
+                self.ops.append(SetGlobals(values, self.globals.first))
         sent = self.sent
         sent.writes(self.ops)
         self.routing.hooks(self.ops)  # put on its children here since: they run there
