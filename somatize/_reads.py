@@ -229,6 +229,14 @@ class Reads:
                 if salt is not None:
                     continue
                 what, kind = e.args
+                if v is os.environ:  # os.getenv, os.environ[...]: the environment
+                    raise Refused(
+                        f"{who_runs}: {who} reads the environment (os.environ), which the "
+                        "key of its cached outputs cannot follow (a variable changed would "
+                        "serve stale outputs). Read it once into an attribute (self.gain = "
+                        "float(os.getenv('GAIN', '1')) in __init__), or give it a salt= "
+                        "(.cached(salt=...), SomatizeCache(salt=...)) that names the "
+                        "variables it reads") from None
                 where = "class attribute" if who.startswith("class ") else "global"
                 raise Refused(
                     f"{who_runs}: {who} reads the {where} {what!r}, a {kind}, which the key "

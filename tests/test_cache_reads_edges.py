@@ -10,6 +10,7 @@ computed now (``torch.equal``), or expects a refusal naming the cause."""
 import dataclasses
 import enum
 import functools
+import os
 
 import pytest
 import reads_config
@@ -154,6 +155,25 @@ def test_a_global_read_by_a_computed_name_is_refused_naming_it(tmp_path):
     name = "SCALE"
     with pytest.raises(Refused, match=r"reads globals\(\)\[\.\.\.\] by a name it computes"):
         cached(Body(lambda m, y: y * globals()[name]), tmp_path)
+
+
+class ReadsEnv(nn.Module):
+    def __init__(self, how):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+        self.how = how
+
+    def forward(self, x):
+        gain = os.getenv("GAIN", "1") if self.how == "getenv" else os.environ.get("GAIN", "1")
+        return self.lin(x) * float(gain)
+
+
+@pytest.mark.parametrize("how", ["getenv", "environ"])
+def test_a_forward_that_reads_the_environment_is_refused_saying_so(tmp_path, how):
+    # a variable changed would serve stale outputs: read it once, or give a salt
+    with pytest.raises(Refused, match=r"reads the environment \(os\.environ\), which the "
+                                      r"key of its cached outputs cannot follow"):
+        cached(ReadsEnv(how), tmp_path)
 
 
 def mode(value):
