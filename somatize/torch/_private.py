@@ -288,7 +288,4 @@ def global_hook_tables() -> tuple[dict, dict]:
 def global_forward_hooks() -> list:
     """The forward pre-hooks and hooks registered for every module
     (``register_module_forward_pre_hook`` / ``register_module_forward_hook``)."""
-    from torch.nn.modules import module as m  # noqa: PLC0415 - torch's own tables
-
-    return [h for attr in ("_global_forward_pre_hooks", "_global_forward_hooks")
-            for h in _need(m, attr, "the hooks every module runs").values()]
+    return [h for table in global_hook_tables() for h in table.values()]

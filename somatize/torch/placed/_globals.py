@@ -13,13 +13,14 @@ cannot travel as data (a function, an object) is refused, naming it.
 
 from __future__ import annotations
 
-import dis
 import operator
 import types
 from dataclasses import dataclass
 from typing import Any
 
+from ..._bytecode import DYNAMIC, loaded_globals
 from ..._errors import Refused
+from ..._keys import functions_of
 from ..._reads import yours
 
 _MISSING = object()
@@ -114,15 +115,11 @@ def _copies(values: list) -> list:
 
 
 def _references(module: Any) -> list[tuple[str, dict, str, str]]:
+    """``(who reads it, its globals, the name, the code's module)`` for each global the
+    code of ``module``'s classes of yours loads, and of the functions of yours it calls."""
     refs: dict[tuple[int, str], tuple[str, dict, str, str]] = {}
-    todo: list[tuple[str, types.FunctionType]] = []
-    for m in module.modules():
-        for cls in type(m).__mro__:
-            if (cls.__module__ or "").startswith(_LIBRARY):
-                continue
-            for k, v in vars(cls).items():
-                for f in _functions(v):
-                    todo.append((f"{cls.__qualname__}.{k}", f))
+    classes = list(dict.fromkeys(type(m) for m in module.modules()))
+    todo = functions_of(classes, _LIBRARY)
     seen: set[int] = set()
     while todo:
         who, fn = todo.pop(0)
@@ -130,25 +127,9 @@ def _references(module: Any) -> list[tuple[str, dict, str, str]]:
             continue
         seen.add(id(fn.__code__))
         g = fn.__globals__
-        for name in sorted(_loaded(fn.__code__)):
+        for name in sorted({n for n, _ in loaded_globals(fn.__code__) if n != DYNAMIC}):
             refs.setdefault((id(g), name), (who, g, name, fn.__module__ or ""))
             v = g.get(name)
             if isinstance(v, types.FunctionType):  # a helper it calls: what it reads too
                 todo.append((f"{v.__qualname__} (called by {who})", v))
     return list(refs.values())
-
-
-def _functions(v: Any) -> list:
-    v = getattr(v, "__func__", v)  # staticmethod, classmethod
-    if isinstance(v, property):
-        return [f for f in (v.fget, v.fset) if isinstance(f, types.FunctionType)]
-    return [v] if isinstance(v, types.FunctionType) else []
-
-
-def _loaded(code: types.CodeType) -> set[str]:
-    names = {ins.argval for ins in dis.get_instructions(code)
-             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
-    for c in code.co_consts:  # comprehensions, lambdas, nested functions
-        if isinstance(c, types.CodeType):
-            names |= _loaded(c)
-    return {n for n in names if isinstance(n, str)}
