@@ -199,9 +199,10 @@ def _run(session: str, stretch: Any) -> Any:
                    given_keys=stretch.given_keys, here=stretch.host, keeper=_keeper,
                    naming=stretch.naming, training=stretch.training,
                    wanted=stretch.wanted)
-        nodes = ", ".join(map(repr, stretch.nodes))
-        refuse_drawn(f"node {nodes}" if len(stretch.nodes) == 1 else f"nodes {nodes}",
-                     nodes, drawn)
+        if drawn is not None:  # (a stretch looked at: its generators' states read)
+            nodes = ", ".join(map(repr, stretch.nodes))
+            refuse_drawn(f"node {nodes}" if len(stretch.nodes) == 1 else f"nodes {nodes}",
+                         nodes, drawn)
     except BaseException as e:  # answered, never raised: the coordinator names the node
         return _failed(e, _failing_node(e))
     return travelling(graph, out, stretch)
