@@ -34,7 +34,7 @@ class Probe(nn.Module):
                 "cublas": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
                 "mkldnn": torch.backends.mkldnn.enabled,
                 "fastpath": torch.backends.mha.get_fastpath_enabled(),
-                "flush": _TINY[0] * 1.0 == 0.0}
+                "flush": _TINY[0] * 1.0 == 0.0, "nnpack": torch._C._get_nnpack_enabled()}
 
 
 class Settings(pl.LightningModule):
@@ -58,6 +58,7 @@ class Settings(pl.LightningModule):
         torch.backends.mkldnn.enabled = benchmark
         torch.backends.mha.set_fastpath_enabled(deterministic)
         torch.set_flush_denormal(not benchmark)
+        torch._C._set_nnpack_enabled(deterministic)  # NNPACK's convolutions
         if deterministic:  # as Lightning's deterministic=True does, for cuBLAS
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         else:
@@ -68,7 +69,7 @@ class Settings(pl.LightningModule):
         out = self.encoder(x)
         self.seen.append((out["threads"], out["precision"], out["deterministic"],
                           out["benchmark"], out["cublas"], out["mkldnn"], out["fastpath"],
-                          out["flush"]))
+                          out["flush"], out["nnpack"]))
         return F.mse_loss(self.head(out["y"]), x)
 
     def configure_optimizers(self):
@@ -93,6 +94,7 @@ def settings(out):
     torch.backends.mkldnn.enabled = True
     torch.backends.mha.set_fastpath_enabled(True)
     torch.set_flush_denormal(False)
+    torch._C._set_nnpack_enabled(True)
     os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
     torch.save(seen, out)
 

@@ -197,6 +197,9 @@ _SETTINGS = {  # each: set it to another value, answer how to set it back
         torch.set_float32_matmul_precision,
         (torch.get_float32_matmul_precision(), torch.set_float32_matmul_precision("medium"))[0]),
     "flush_denormal": lambda: functools.partial(torch.set_flush_denormal, _flush(True)),
+    "nnpack": lambda: functools.partial(  # (under oneDNN off: the test below)
+        torch._C._set_nnpack_enabled,
+        (torch._C._get_nnpack_enabled(), torch._C._set_nnpack_enabled(False))[0]),
     "quantized_engine": lambda: functools.partial(
         setattr, torch.backends.quantized, "engine",
         _swap(torch.backends.quantized, "engine", "qnnpack")),
@@ -221,6 +224,17 @@ def test_a_math_setting_changed_is_a_miss(tmp_path, setting):
     finally:
         back()
     assert torch.equal(m(X), first)  # and back: the first name again
+
+
+def test_nnpack_turned_off_under_onednn_off_is_a_miss(tmp_path):
+    # with oneDNN's convolutions off, NNPACK's or torch's own run (other last bits):
+    # torch.backends.nnpack has no attribute to read, torch._C's reader is in the key
+    was = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        test_a_math_setting_changed_is_a_miss(tmp_path, "nnpack")
+    finally:
+        torch.backends.mkldnn.enabled = was
 
 
 class Joins(nn.Module):

@@ -185,10 +185,10 @@ def test_the_math_settings_here_travel_with_each_call(ran):
     # differently before each batch here, seen by the module over there in that batch
     seen = ran("settings")
     # (and CUBLAS_WORKSPACE_CONFIG, which Lightning's deterministic=True sets here), and
-    # the CPU's own: oneDNN on or off, attention's fast path, denormals flushed
-    want = [(1, "high", True, True, ":4096:8", True, True, False),
-            (2, "medium", False, False, None, False, False, True),
-            (1, "highest", False, True, None, True, False, False)]
+    # the CPU's own: oneDNN on or off, attention's fast path, denormals flushed, NNPACK
+    want = [(1, "high", True, True, ":4096:8", True, True, False, True),
+            (2, "medium", False, False, None, False, False, True, False),
+            (1, "highest", False, True, None, True, False, False, False)]
     assert seen["followed"] == [want[i % 3] for i in range(6)]
     # a worker given its own thread count keeps it; the rest still follows
     assert seen["own"] == [(2, *want[i % 3][1:]) for i in range(6)]

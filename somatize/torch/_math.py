@@ -78,6 +78,8 @@ _MATH = [
     _attr("backends.quantized.engine"),
     ("flush_denormal", _flushing, torch.set_flush_denormal),
 ]
+if hasattr(torch._C, "_get_nnpack_enabled"):  # NNPACK's convolutions, where oneDNN's are off
+    _MATH.append(("nnpack", torch._C._get_nnpack_enabled, torch._C._set_nnpack_enabled))
 _WRITERS = {name: (read, write) for name, read, write in _MATH}
 
 

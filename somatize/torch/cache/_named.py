@@ -90,7 +90,7 @@ _CPU = ("float32_matmul_precision", "deterministic_algorithms", "backends.mkldnn
         "backends.mkldnn.deterministic", "backends.mkldnn.matmul.fp32_precision",
         "backends.mkldnn.conv.fp32_precision", "backends.mkldnn.rnn.fp32_precision",
         "backends.opt_einsum.enabled", "backends.opt_einsum.strategy",
-        "backends.nnpack.enabled", "backends.quantized.engine",
+        "nnpack", "backends.quantized.engine",
         "mha_fastpath",  # a Transformer layer's fused path in eval
         "flush_denormal")  # read from the CPU's own float math (torch has no read of it)
 _readers: list | None = None
@@ -113,12 +113,22 @@ def _math_readers() -> list:
 
 def _reader(path: str):
     """A read of ``torch.<path>``: of its attribute on the object that holds it, found once
-    (``torch.backends.mkldnn.matmul``: torch's own, never rebound), else found each time."""
+    (``torch.backends.mkldnn.matmul``: torch's own, never rebound), else found each time.
+    Where torch's attribute is a ``ContextProp`` or an ``_FP32Precision``'s, the C getter
+    it calls (what the attribute answers, in one call: this is read at every cached call)."""
     *owner, attr = path.split(".")
     try:
         o = functools.reduce(getattr, owner, torch)
     except AttributeError:
         return lambda: getattr(functools.reduce(getattr, owner, torch), attr)
+    prop = next((c.__dict__[attr] for c in type(o).__mro__ if attr in c.__dict__), None)
+    getter = getattr(prop, "getter", None) if type(prop).__name__ == "ContextProp" else None
+    if callable(getter) and getter() == getattr(o, attr):
+        return getter
+    fp32 = getattr(torch._C, "_get_fp32_precision_getter", None)
+    if type(o).__name__ == "_FP32Precision" and fp32 is not None \
+            and fp32(o.backend, o.op) == getattr(o, attr):
+        return functools.partial(fp32, o.backend, o.op)
     return functools.partial(getattr, o, attr)
 
 
