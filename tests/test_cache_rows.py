@@ -89,7 +89,7 @@ def test_a_row_and_its_neighbours_are_told_apart():
 def test_one_thread_or_two_give_blake3s_bytes(threads):
     lib = _rows._libs[-1] if _rows.native() is not None else None
     assert lib is not None
-    x = torch.rand(300, 768, generator=torch.Generator().manual_seed(7))  # 900 KB: shared
+    x = torch.rand(1500, 768, generator=torch.Generator().manual_seed(7))  # 4.6 MB: shared
     mkey = module_key("Enc", "t" * 64, None)
     lib.somatize_set_threads(threads)
     try:
@@ -100,7 +100,7 @@ def test_one_thread_or_two_give_blake3s_bytes(threads):
 
 
 @needs_cc
-@pytest.mark.parametrize("n", [1, 7, 256, 1000])
+@pytest.mark.parametrize("n", [1, 7, 256, 2200])  # 2200 rows of 2 KB: shared
 def test_served_rows_gathered_natively_are_index_selects(n):
     from array import array
     from types import SimpleNamespace
@@ -108,8 +108,8 @@ def test_served_rows_gathered_natively_are_index_selects(n):
     from somatize.torch.cache._gather import gather
 
     g = torch.Generator().manual_seed(n)
-    arena = torch.rand(1200, 512, generator=g)
-    codes = array("q", torch.randint(0, 1200, (n,), generator=g).tolist())
+    arena = torch.rand(2400, 512, generator=g)
+    codes = array("q", torch.randint(0, 2400, (n,), generator=g).tolist())
     rows = SimpleNamespace(codes=codes, arena=bytearray(arena.numpy().tobytes()), row=(512,))
     lib = _rows._libs[-1] if _rows.native() is not None else None
     lib.somatize_set_threads(3)
@@ -119,6 +119,6 @@ def test_served_rows_gathered_natively_are_index_selects(n):
     finally:
         lib.somatize_set_threads(2)
     assert torch.equal(got, arena[torch.tensor(codes.tolist())])
-    out_of_range = SimpleNamespace(codes=array("q", [0, 1200]), arena=rows.arena, row=(512,))
+    out_of_range = SimpleNamespace(codes=array("q", [0, 2400]), arena=rows.arena, row=(512,))
     with pytest.raises(IndexError):  # refused natively, then by index_select
         gather(torch.empty(2, 512), out_of_range, torch.float32)

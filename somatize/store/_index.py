@@ -198,6 +198,7 @@ class Index:
         self.big: list[Segment] = []
         self.generation = 0  # counts the refreshes that found segments new or gone
         self._listed: tuple | None = None  # the folder's stat when last listed
+        self._names: list[str] | None = None  # what that listing found, all of it read
 
     def _list(self) -> list[str]:
         try:
@@ -227,10 +228,14 @@ class Index:
                 and time.time_ns() - stamp[1] > _RACY:
             return  # asked at every batch: one stat, no listing
         self._listed = stamp
+        now = self._list()
+        if now == self._names:  # listed again (a recent change) and found as it was
+            return
         gone: set[str] = set()
         new: list[str] = []
         for _ in range(100):  # each pass that finds one vanished follows a compaction
-            now = self._list()
+            if now is None:
+                now = self._list()
             gone |= set(self.segments) - set(now)
             for n in set(self.segments) - set(now):
                 del self.segments[n]
@@ -244,7 +249,9 @@ class Index:
                 self.segments[n] = seg
                 new.append(n)
             if not vanished:
+                self._names = now
                 break
+            now = self._names = None
         new = [n for n in new if n in self.segments]
         newest = max((s.order for n, s in self.segments.items() if s is not None
                       and n not in new), default=None)

@@ -4,10 +4,13 @@
  *     somatize_rows(data, n, rb, key, out);  // out[16 i ..]: BLAKE3-keyed(key, row i)[:16]
  *     somatize_gather(dst, src, src_rows, rows, n, rb);  // dst row i = src row rows[i]
  *
- * A large batch is shared with a thread started for it (pieces taken in turn): the head
- * does not run while a cached forward answers, so a second core may be free then. Only
- * while the load average leaves a CPU free (on a loaded machine the helper costs more
- * than it does); somatize_set_threads(1) keeps one always.
+ * A batch of HELPED bytes or more is shared with a thread started for it (pieces taken in
+ * turn): the head does not run while a cached forward answers, so a second core may be
+ * free then. Only while the load average leaves a CPU free (on a loaded machine the helper
+ * costs more than it does); somatize_set_threads(1) keeps one always. A thread started
+ * and run costs 77-150 us on the 2-core VM this was measured on, the hash of 1 MB about
+ * 300 us there in a fit: below 4 MB the helper costs more than it saves (a cached epoch
+ * of 786 KB batches was 1.83x its head with it, 1.33x without).
  * Written from the BLAKE3 specification (chunks of 1024 bytes, blocks of 64, 7 rounds,
  * a left subtree of the largest power of two of chunks below the whole). Every row of a
  * batch has the same length, so LANES rows go through the same steps side by side, one row
@@ -197,6 +200,7 @@ struct pool {
     const void *args;
     uint64_t n, piece;
 };
+#define HELPED (1u << 22) /* bytes of work from which a helper thread pays */
 static int threads = 2; /* at most: 1 where the machine has one CPU, or when set */
 static int alone; /* calls left to make alone: the last helper got no CPU in time */
 static long cpus = 1, calls;
@@ -296,8 +300,8 @@ void somatize_rows(const uint8_t *data, uint64_t n, uint64_t rb, const uint8_t k
     memcpy(kw, key32, 32);
     for (int i = 0; i < 8; i++) key[i] = (v32){} + kw[i];
     struct rows_job j = {data, n, rb, key, out};
-    /* pieces of two groups of LANES rows; worth a thread from 64 KB on */
-    shared(rows_part, &j, n, n * rb >= (1u << 16) ? 2 * LANES : 0);
+    /* pieces of two groups of LANES rows */
+    shared(rows_part, &j, n, n * rb >= HELPED ? 2 * LANES : 0);
 }
 
 struct gather_job { uint8_t *dst; const uint8_t *src; const int64_t *rows; uint64_t rb; };
@@ -315,7 +319,7 @@ int somatize_gather(uint8_t *dst, const uint8_t *src, uint64_t src_rows, const i
     for (uint64_t i = 0; i < n; i++)
         if (rows[i] < 0 || (uint64_t)rows[i] >= src_rows) return 1;
     struct gather_job j = {dst, src, rows, rb};
-    shared(gather_part, &j, n, n * rb >= (1u << 18) ? 32 : 0);
+    shared(gather_part, &j, n, n * rb >= HELPED ? 32 : 0);
     return 0;
 }
 

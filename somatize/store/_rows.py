@@ -9,8 +9,8 @@ whole batch; ``_rows.c`` hashes 16 rows at once, one per lane. It is compiled on
 machine with the C compiler found (``cc``, or ``$CC``) into ``$SOMATIZE_NATIVE_DIR``
 (default ``~/.cache/somatize``), loaded with ctypes, and used only after it gave the
 blake3 package's bytes on rows of many lengths. ``SOMATIZE_NATIVE=0`` turns it off. A
-large batch is hashed (and its served rows gathered, ``gather``) on two threads while
-the load average leaves a CPU free; ``SOMATIZE_NATIVE_THREADS=1`` keeps one.
+batch of 4 MB or more is hashed (and its served rows gathered, ``gather``) on two
+threads while the load average leaves a CPU free; ``SOMATIZE_NATIVE_THREADS=1`` keeps one.
 """
 
 from __future__ import annotations
@@ -51,14 +51,20 @@ def row_keys(key: bytes, raw: memoryview | int, n: int,
     fn = native() if address else None
     if fn is None:
         return [blake3(raw[i * rb:(i + 1) * rb], key=key).digest(16) for i in range(n)]
-    out = ctypes.create_string_buffer(16 * n)
+    out = _buffer(n)()
     fn(address, n, rb, key, out)
-    return list(_split(n).unpack(out.raw))  # n bytes objects in one call
+    return list(_split(n).unpack_from(out))  # n bytes objects in one call
 
 
 @functools.lru_cache(maxsize=64)
 def _split(n: int) -> struct.Struct:
     return struct.Struct("16s" * n)
+
+
+@functools.lru_cache(maxsize=64)
+def _buffer(n: int) -> type:
+    """The ctypes type of ``n`` keys' bytes (made once: making one costs more than a hash)."""
+    return ctypes.c_char * (16 * n)
 
 
 def native():
