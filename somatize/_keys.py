@@ -71,7 +71,8 @@ def call_state(read: Callable[[], str | None]) -> None:
 def state_of_call() -> str:
     """What the state of this call adds to a key (every ``call_state`` that is on, joined;
     empty when none is): one way to say it, for whole values and items alike."""
-    return ";".join(c for c in (read() for read in _call_states) if c)
+    got = [read() for read in _call_states]
+    return ";".join(c for c in got if c) if any(got) else ""
 
 
 def key_of_node(kind: str, state: str | None, salt: str | None, preds) -> str | None:

@@ -3,10 +3,12 @@ and anything cut, flipped or crafted read as a miss, never as a wrong row."""
 
 import os
 import struct
+import time
 from pathlib import Path
 
 from items_writer import MODULE, ROW, key_of, missing, row_of, write
 
+from somatize.store import _items
 from somatize.store._index import SMALL, Index, Loc, Segment, encode
 from somatize.store._items import Items
 from somatize.store._items_care import gc, spaces, verify
@@ -290,6 +292,7 @@ def test_items_served_before_are_found_in_one_call_as_the_dict_finds_them(tmp_pa
             for c in got.codes] == [row_of(i) for i in ids[::-1]]
     assert sp.served(keys + [key_of(1)]) is None  # one not served: asked of the index
     write(tmp_path, 5000, 5010, 10, seed=3)  # a segment comes: what was served is forgotten
+    time.sleep(_items._SERVED_LOOK / 1e9)  # once the index is looked at again (5 ms on)
     assert sp.served(keys) is None
     # the table (where the native library is) and the dict alone answer alike, growing
     both = [Served()]

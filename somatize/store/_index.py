@@ -199,6 +199,7 @@ class Index:
         self.generation = 0  # counts the refreshes that found segments new or gone
         self._listed: tuple | None = None  # the folder's stat when last listed
         self._names: list[str] | None = None  # what that listing found, all of it read
+        self._looked = -(1 << 62)  # time.monotonic_ns() of the last refresh
 
     def _list(self) -> list[str]:
         try:
@@ -211,14 +212,20 @@ class Index:
                      "item reads as a miss and is recomputed; fix the directory to keep them")
             return []
 
-    def refresh(self) -> None:
-        """See the segments now in the directory (new ones read, gone ones forgotten).
+    def refresh(self, within_ns: int = 0) -> None:
+        """See the segments now in the directory (new ones read, gone ones forgotten);
+        ``within_ns``: not looked at again within that long of the last look (a reader
+        serving from its arena asks at every batch: one stat in a few milliseconds).
 
         A segment listed but gone before it is read was compacted away meanwhile: the
         merged one was named before it went, so the directory is listed again, and the
         records are found there (a view that lacks both is never used). Not listed again
         while the folder's stat is what it was at the last listing, and that is older than
         ``_RACY`` (a name added within a coarse mtime's tick is listed)."""
+        t = time.monotonic_ns()
+        if t - self._looked < within_ns:
+            return
+        self._looked = t
         try:
             st = os.stat(self.folder)
             stamp = (st.st_ino, st.st_mtime_ns, st.st_size, st.st_nlink)

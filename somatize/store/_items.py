@@ -46,6 +46,7 @@ _OPEN_PACKS = 256
 _HOLD = 256 << 20  # bytes of checked rows held in memory, per module
 _HOLD_PACK = 64 << 20  # a bigger pack is checked, then read row by row
 _SERVED = 1 << 20  # items remembered as served from the arena (about 130 bytes each)
+_SERVED_LOOK = 5_000_000  # ns: how often a batch served from the arena looks at the index
 
 
 def _row_bytes_of(layout: tuple) -> int:
@@ -157,8 +158,11 @@ class Space:
     def served(self, keys: Sequence[bytes]) -> Rows | None:
         """The rows of ``keys`` when every one was read from the arena before, under the
         index as it stands now (listed again first): what ``lookup`` and ``read`` would
-        find, with no Python step per item; None otherwise (then ask those)."""
-        self.index.refresh()
+        find, with no Python step per item; None otherwise (then ask those). The index
+        is looked at again at most every ``_SERVED_LOOK`` ns: another process's new
+        segment may be seen that much later (these rows are the items' values all the same:
+        their keys name what they hold)."""
+        self.index.refresh(_SERVED_LOOK)
         if self.index.generation != self._generation:
             self._served.clear()
             self._generation = self.index.generation

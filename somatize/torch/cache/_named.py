@@ -135,8 +135,30 @@ def _reader(path: str):
 _texts: dict[tuple, str] = {}  # the settings read -> their text (read at every call)
 
 
+_values: dict[tuple, str] = {}  # every setting read, in order -> their text
+
+
 def math_state() -> str:
-    """The math settings of this call, as one text (always part of a key)."""
+    """The math settings of this call, as one text (always part of a key): each read in
+    one pass, and the text of what they answered found by their values; where a read
+    raises (torch refuses a legacy flag after the new API set it), read one by one."""
+    readers = _math_readers()
+    try:
+        now = tuple([read() for _, read in readers])
+    except (AttributeError, RuntimeError):
+        return _math_state()
+    try:
+        return _values[now]
+    except KeyError:
+        text = _math_state()
+        if len(_values) < 64:
+            _values[now] = text
+        return text
+    except TypeError:  # a setting that cannot be a dict key
+        return _math_state()
+
+
+def _math_state() -> str:
     got = []
     for name, read in _math_readers():
         try:

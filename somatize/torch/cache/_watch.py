@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import operator
 import types
 from typing import Any
 
@@ -121,37 +122,31 @@ def _inner_of(attrs: list) -> list:
 
 
 def _seen(module: torch.nn.Module) -> list:
-    # one pass: each module, its tensors and children by identity, and its own attributes
-    # with a shallow copy of the containers among them
-    return [(m, *own_tensors(m), children(m),
-             [(k, v, _shallow(v)) for k, v in m.__dict__.items() if k not in skip], skip)
+    # one pass: each module, its tensors and children by identity, the names of its own
+    # attributes, and those outside torch's bookkeeping with a shallow copy of the
+    # containers among them
+    return [(m, *own_tensors(m), children(m), frozenset(m.__dict__),
+             [(k, v, _shallow(v)) for k, v in m.__dict__.items() if k not in skip])
             for m in module.modules() for skip in (_skipped(m),)]
 
 
 def _same_now(module: torch.nn.Module, then: list) -> bool:
     """Whether ``_seen(module)`` would be ``then``, without making the list: the same
-    root, and each module seen with the same children, is the same tree."""
+    root, and each module seen with the same children, is the same tree; each module with
+    the same attribute names (one added or removed, bookkeeping too: the watch is set
+    again) and the same objects under those it watches."""
     if not then or then[0][0] is not module:
         return False
-    for m, ps0, bs0, kids0, items0, skip in then:
+    for m, ps0, bs0, kids0, names0, items0 in then:
         ps, bs = own_tensors(m)
+        d = m.__dict__
         if not _identical(ps, ps0) or not _identical(bs, bs0) or not _identical(
-                children(m), kids0):
+                children(m), kids0) or d.keys() != names0:
             return False
-        j, left = 0, len(items0)
-        for k, v in m.__dict__.items():
-            if k in skip:
-                continue
-            if j == left:
+        for k, v0, inner0 in items0:
+            v = d[k]
+            if v is not v0 or inner0 is not None and not _identical(_shallow(v), inner0):
                 return False
-            k0, v0, inner0 = items0[j]
-            j += 1
-            if k != k0 or v is not v0:
-                return False
-            if inner0 is not None and not _identical(_shallow(v), inner0):
-                return False
-        if j != left:
-            return False
     return True
 
 
@@ -162,4 +157,4 @@ def _skipped(m: torch.nn.Module) -> frozenset[str]:
 
 
 def _identical(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+    return len(a) == len(b) and all(map(operator.is_, a, b))  # (in C: read at every call)
