@@ -25,8 +25,30 @@ log = logging.getLogger(__name__)
 
 def _attr(path: str) -> tuple[str, Callable, Callable]:
     owner, name = path.rsplit(".", 1)
-    read, where = operator.attrgetter(path), operator.attrgetter(owner)  # (C: one call a read)
-    return (path, functools.partial(read, torch), lambda v: setattr(where(torch), name, v))
+    where = operator.attrgetter(owner)
+    return (path, fast_read(path), lambda v: setattr(where(torch), name, v))
+
+
+def fast_read(path: str) -> Callable[[], object]:
+    """A read of ``torch.<path>`` in as few calls as torch allows (read at every call):
+    where its attribute is a ``ContextProp`` or an ``_FP32Precision``'s, the C getter it
+    calls; else the attribute, on the object that holds it (found once: torch's own
+    modules, never rebound), or found each time where that object is not there."""
+    *owner, attr = path.split(".")
+    try:
+        o = functools.reduce(getattr, owner, torch)
+    except AttributeError:
+        return functools.partial(operator.attrgetter(path), torch)
+    plain = functools.partial(getattr, o, attr)
+    prop = next((c.__dict__[attr] for c in type(o).__mro__ if attr in c.__dict__), None)
+    getter = getattr(prop, "getter", None) if type(prop).__name__ == "ContextProp" else None
+    fp32 = getattr(torch._C, "_get_fp32_precision_getter", None)
+    if getter is None and type(o).__name__ == "_FP32Precision" and fp32 is not None:
+        getter = functools.partial(fp32, o.backend, o.op)
+    try:  # the same answer, or the attribute itself (a read that raises now: kept as is)
+        return getter if callable(getter) and getter() == plain() else plain
+    except (AttributeError, RuntimeError):
+        return plain
 
 
 _TINY = [1e-310]  # a subnormal double: read as zero where denormals are flushed
@@ -81,15 +103,20 @@ _MATH = [
 if hasattr(torch._C, "_get_nnpack_enabled"):  # NNPACK's convolutions, where oneDNN's are off
     _MATH.append(("nnpack", torch._C._get_nnpack_enabled, torch._C._set_nnpack_enabled))
 _WRITERS = {name: (read, write) for name, read, write in _MATH}
+_READS = {True: tuple((name, read) for name, read, _ in _MATH),
+          False: tuple((name, read) for name, read, _ in _MATH if name != "threads")}
 
 
 def math_flags(threads: bool = True) -> tuple:
     """This process's math settings, as ``(name, value)`` pairs (those readable);
     ``threads=False`` leaves the thread count out (a worker given its own keeps it)."""
+    reads = _READS[threads]
+    try:  # one pass (read at every placed call)
+        return tuple([(name, read()) for name, read in reads])
+    except (AttributeError, RuntimeError):
+        pass
     got = []
-    for name, read, _ in _MATH:
-        if name == "threads" and not threads:
-            continue
+    for name, read in reads:
         try:
             got.append((name, read()))
         except (AttributeError, RuntimeError):

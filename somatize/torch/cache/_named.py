@@ -99,37 +99,16 @@ _readers: list | None = None
 def _math_readers() -> list:
     global _readers
     if _readers is None:
-        from .._math import _MATH  # noqa: PLC0415 - the settings that travel, shared
+        from .._math import _MATH, fast_read  # noqa: PLC0415 - the settings that travel
 
         known = {name: read for name, read, _ in _MATH}
         cuda = torch.cuda.is_available()
         names = [n for n in known if n != "threads" and (cuda or n in _CPU)]
         names += [n for n in _CPU if n not in known]
-        _readers = [(n, _reader(n) if n.startswith("backends.") else known[n]) for n in names]
+        _readers = [(n, known[n] if n in known else fast_read(n)) for n in names]
         # what a tensor made in the forward (torch.ones(4)) is, and so what it promotes to
         _readers.append(("default_dtype", torch.get_default_dtype))
     return _readers
-
-
-def _reader(path: str):
-    """A read of ``torch.<path>``: of its attribute on the object that holds it, found once
-    (``torch.backends.mkldnn.matmul``: torch's own, never rebound), else found each time.
-    Where torch's attribute is a ``ContextProp`` or an ``_FP32Precision``'s, the C getter
-    it calls (what the attribute answers, in one call: this is read at every cached call)."""
-    *owner, attr = path.split(".")
-    try:
-        o = functools.reduce(getattr, owner, torch)
-    except AttributeError:
-        return lambda: getattr(functools.reduce(getattr, owner, torch), attr)
-    prop = next((c.__dict__[attr] for c in type(o).__mro__ if attr in c.__dict__), None)
-    getter = getattr(prop, "getter", None) if type(prop).__name__ == "ContextProp" else None
-    if callable(getter) and getter() == getattr(o, attr):
-        return getter
-    fp32 = getattr(torch._C, "_get_fp32_precision_getter", None)
-    if type(o).__name__ == "_FP32Precision" and fp32 is not None \
-            and fp32(o.backend, o.op) == getattr(o, attr):
-        return functools.partial(fp32, o.backend, o.op)
-    return functools.partial(getattr, o, attr)
 
 
 _texts: dict[tuple, str] = {}  # the settings read -> their text (read at every call)
