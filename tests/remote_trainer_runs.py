@@ -17,7 +17,7 @@ from models import Body, Head, Pre, batches, twins
 from oracle import same, weights
 from torch.nn.functional import cross_entropy
 
-from somatize import Graph, Refused
+from somatize import Done, Graph, Opaque, Refused
 from somatize.torch import Split, Trainer, parameters
 
 
@@ -283,6 +283,55 @@ def head_up_to_date() -> None:
         assert same(weights(far)["head"], weights(whole)["head"])
         assert same(b.state_dict()["nodes"], a.state_dict()["nodes"])
     print("WAITED")
+
+
+GAIN = 1.0
+CFG = {"gain": 1.0}
+
+
+class Gained(Body):
+    """The body, scaled by a module-level float and a config dict's entry (read where it
+    runs: the worker's copy of this script's globals)."""
+
+    def forward(self, x, ctx):
+        return Done(Opaque(self.lin(x).relu() * GAIN * CFG["gain"]))
+
+
+def globals_follow() -> None:
+    """A placed node's globals changed here mid-run (one rebound, a dict changed in place)
+    are what its code reads over there: trained there by a Split, by a mirror of the
+    optimizer here, or frozen; the numbers of one piece, bit for bit. One rebound to a
+    function is refused, naming the node and the name. Prints "ok <how>" for each."""
+    global GAIN
+    data = batches(6)
+    for how in ("split", "mirrored", "frozen"):
+        GAIN, CFG["gain"] = 1.0, 1.0
+        whole, far = twins(lambda how=how: (Gained(seed=None).frozen() if how == "frozen"
+                                            else Gained(seed=None)) >> Head(seed=None))
+        far = _placed(far, {"gained": "gpu"})
+        trains = {"gained": _split()} if how == "split" else {}
+        a = Trainer(whole, cross_entropy, _sgd(parameters(whole)))
+        with Trainer(far, cross_entropy, _sgd(parameters(far, without=trains)),
+                     trains=trains) as b:
+            for i, d in enumerate(data):
+                if i == 2:
+                    GAIN = 3.0  # rebound here, by a callback say
+                if i == 4:
+                    CFG["gain"] = 0.5  # changed in place
+                assert a.step(d) == b.step(d), (how, i)
+            assert os.getpid() not in b.where()["gained"]  # it ran over there
+            if how == "split":
+                GAIN = abs  # what cannot travel as data
+                try:
+                    b.step(data[0])
+                except Refused as e:
+                    assert str(e).startswith(
+                        "Gained.forward reads the global 'GAIN', which was set here to a "
+                        "builtin_function_or_method after 'gained' was placed on worker "
+                        "'gpu'"), str(e)
+                else:
+                    raise AssertionError("a global rebound to a function was not refused")
+        print("ok", how)
 
 
 if __name__ == "__main__":

@@ -64,3 +64,10 @@ def test_a_nodes_value_error_on_the_worker_is_a_value_error_here_with_its_traceb
     assert isinstance(got["then"], float)
     assert got["learn"]["type"] == "Strange"
     assert got["learn"]["message"].startswith("picky will not learn (raised in node 'picky'")
+
+
+def test_the_globals_a_placed_nodes_code_reads_follow_it_to_the_worker(tmp_path):
+    # GAIN = 3.0 and CFG["gain"] = 0.5 here, mid-run: the node over there reads them too
+    # (trained by a Split, mirrored, frozen); one rebound to a function is refused
+    out = coordinate("globals_follow", cwd=tmp_path, timeout=180)
+    assert out.splitlines()[-3:] == ["ok split", "ok mirrored", "ok frozen"]

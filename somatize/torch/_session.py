@@ -212,6 +212,13 @@ class Part:
         """The session's ``follow_math`` for this part (every host of it by default)."""
         self.session.follow_math(self, hosts)
 
+    def send(self, host: str, fn: Any, *args: Any) -> None:
+        """Run ``fn(live_graph, *args)`` on ``host``'s worker before what this part sends
+        after it, not waited for: what went wrong there is raised at a later send or
+        ``follow_math``."""
+        runtime = self._open(host)
+        self.session._math_sent.append((runtime, runtime.call_async(host, fn, *args)))
+
     def add(self, name: str, pid: int) -> None:
         """``name`` (a node, a placed module) of this part ran once more in ``pid``."""
         self.session.account.add(self.name, name, pid)

@@ -42,6 +42,7 @@ from ._calls import (
     _read_trainer,
     _step_trainers,
 )
+from ._globals import NodeGlobals
 from ._handed import asks_grad, leaf_of, plus
 from ._mirrored import Following, Mirrored, _after, mirrored
 from ._refuse import refuse, settle
@@ -97,6 +98,7 @@ class Step:
         self.session = Session(workers=workers) if session is None else session
         self.part = self.session.open(name, self.running, store=store)
         self.keeper = self.part.keeper
+        self.node_globals = NodeGlobals(self.part, self.running)
         self.naming = naming(graph, self.keeper, self.runtime)
         self.sinks = graph.sinks
         self.made: dict[str, Any] | None = None  # the forward awaiting its backward
@@ -214,8 +216,10 @@ class Step:
         return self.part.runtime
 
     def follow_math(self) -> None:
-        """Send the workers this process's math settings, when they changed (the session's)."""
+        """Send the workers this process's math settings, when they changed (the session's),
+        and the globals the code of the nodes placed there reads."""
         self.part.follow_math()
+        self.node_globals.follow()
 
     def _count(self, out: Outcome) -> None:
         self.part.count(out.pids, _called)

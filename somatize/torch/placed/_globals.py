@@ -18,6 +18,8 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from ..._bytecode import DYNAMIC, loaded_globals
 from ..._errors import Refused
 from ..._keys import functions_of
@@ -81,10 +83,15 @@ class SetGlobals:
     first: bool = False  # sent with the first call since the module (or a child) was sent
 
     def apply(self, placed: Any) -> None:
-        where = placed.__dict__.get("global_refs")
+        self.apply_to(placed.module, placed.__dict__)
+
+    def apply_to(self, code: Any, holder: dict) -> None:
+        """Set them where ``code``'s copy over there reads them (``holder``: where to keep
+        what that is found to be, between calls)."""
+        where = holder.get("global_refs")
         if where is None or self.first:  # its code's globals over there, as here
-            where = placed.__dict__["global_refs"] = {}
-            for _, g, name, module in _references(placed.module):
+            where = holder["global_refs"] = {}
+            for _, g, name, module in _references(code):
                 where.setdefault((module, name), []).append(g)
         for module, name, value in self.values:
             for g in where.get((module, name), ()):  # each copy of that module's globals
@@ -114,11 +121,33 @@ def _copies(values: list) -> list:
             if type(v) in (dict, list, set) and _data(v)]
 
 
+def _classes(obj: Any) -> list[type]:
+    """The classes whose code runs when ``obj`` runs: a module's and its modules'; a graph
+    node's, those of what it holds that runs (modules, nodes: a trainer's node) too."""
+    out: dict[type, None] = {}
+    todo, seen = [(obj, 0)], set()
+    while todo:
+        o, depth = todo.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.nn.Module):
+            out.update(dict.fromkeys(type(m) for m in o.modules()))
+            continue
+        out[type(o)] = None
+        if depth < 2:
+            todo += [(v, depth + 1) for v in getattr(o, "__dict__", {}).values()
+                     if isinstance(v, torch.nn.Module) or callable(getattr(v, "forward", None))
+                     and not isinstance(v, type)]
+    return list(out)
+
+
 def _references(module: Any) -> list[tuple[str, dict, str, str]]:
     """``(who reads it, its globals, the name, the code's module)`` for each global the
-    code of ``module``'s classes of yours loads, and of the functions of yours it calls."""
+    code of ``module``'s classes of yours loads (a placed module's, or a graph node's:
+    ``_classes``), and of the functions of yours it calls."""
     refs: dict[tuple[int, str], tuple[str, dict, str, str]] = {}
-    classes = list(dict.fromkeys(type(m) for m in module.modules()))
+    classes = _classes(module)
     todo = functions_of(classes, _LIBRARY)
     seen: set[int] = set()
     while todo:
