@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from ._private import fp32_precision_getter, nnpack_flag
+
 log = logging.getLogger(__name__)
 
 
@@ -42,7 +44,7 @@ def fast_read(path: str) -> Callable[[], object]:
     plain = functools.partial(getattr, o, attr)
     prop = next((c.__dict__[attr] for c in type(o).__mro__ if attr in c.__dict__), None)
     getter = getattr(prop, "getter", None) if type(prop).__name__ == "ContextProp" else None
-    fp32 = getattr(torch._C, "_get_fp32_precision_getter", None)
+    fp32 = fp32_precision_getter()
     if getter is None and type(o).__name__ == "_FP32Precision" and fp32 is not None:
         getter = functools.partial(fp32, o.backend, o.op)
     try:  # the same answer, or the attribute itself (a read that raises now: kept as is)
@@ -100,8 +102,8 @@ _MATH = [
     _attr("backends.quantized.engine"),
     ("flush_denormal", _flushing, torch.set_flush_denormal),
 ]
-if hasattr(torch._C, "_get_nnpack_enabled"):  # NNPACK's convolutions, where oneDNN's are off
-    _MATH.append(("nnpack", torch._C._get_nnpack_enabled, torch._C._set_nnpack_enabled))
+if nnpack_flag() is not None:  # NNPACK's convolutions, where oneDNN's are off
+    _MATH.append(("nnpack", *nnpack_flag()))
 _WRITERS = {name: (read, write) for name, read, write in _MATH}
 _READS = {True: tuple((name, read) for name, read, _ in _MATH),
           False: tuple((name, read) for name, read, _ in _MATH if name != "threads")}

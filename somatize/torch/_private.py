@@ -40,6 +40,20 @@ def _need(owner: Any, attr: str, what: str, package: str = "torch") -> Any:
             f"constraints.txt names, or report it with your {package} version") from None
 
 
+def fp32_precision_getter() -> Any:
+    """torch's C getter behind ``torch.backends.<api>.<op>.fp32_precision``
+    (``(backend, op) -> str``: what an ``_FP32Precision``'s attribute calls), or None."""
+    return getattr(torch._C, "_get_fp32_precision_getter", None)
+
+
+def nnpack_flag() -> tuple[Any, Any] | None:
+    """torch's reader and setter of NNPACK on or off (``torch.backends.nnpack`` offers a
+    ``set_flags`` and no read), or None where this torch lacks them."""
+    read = getattr(torch._C, "_get_nnpack_enabled", None)
+    write = getattr(torch._C, "_set_nnpack_enabled", None)
+    return (read, write) if read is not None and write is not None else None
+
+
 def _version_of(package: str) -> str:
     from importlib.metadata import version
 
