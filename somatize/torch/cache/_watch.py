@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import operator
 import types
 from typing import Any
 
 import torch
 
-from ..._reads import Unnamed, module_is_yours
+from ..._reads import NAMESPACES, Unnamed, module_is_yours
 from .._private import children, forward_hooks, own_tensors, versions
 from ._named import _BOOKKEEPING, _named, _ours, forward_writes
 
@@ -98,10 +99,10 @@ def _mutable(v: Any) -> bool:
 
 def _may_mutate(v: Any) -> bool:
     # what _mutable may say yes to (it looks at a container's content): by type alone
-    return isinstance(v, (types.FunctionType, types.MethodType, dict, list, tuple, set,
-                          frozenset)) or (dataclasses.is_dataclass(v) and not isinstance(
-                              v, type)) or (isinstance(v, types.ModuleType) and
-                                            module_is_yours(v))
+    return isinstance(v, (types.FunctionType, types.MethodType, functools.partial, dict,
+                          list, tuple, set, frozenset, *NAMESPACES)) or (
+        dataclasses.is_dataclass(v) and not isinstance(v, type)) or (
+        isinstance(v, types.ModuleType) and module_is_yours(v))
 
 
 def _inner(module: torch.nn.Module) -> list:
