@@ -122,6 +122,10 @@ def name_value(v: Any, where: str, depth: int = 0,
         return f"name:{type(v).__qualname__}"  # a sentinel, a logger: nothing computed
     if isinstance(v, types.MethodType):
         return f"method:{type(v.__self__).__qualname__}.{again(v.__func__, where, depth + 1)}"
+    if isinstance(v, functools.partial):  # its function and what it was given, by value
+        return (f"partial:{again(v.func, f'{where}.func', depth + 1)}:"
+                f"{again(v.args, f'{where}.args', depth + 1)}:"
+                f"{again(v.keywords, f'{where}.keywords', depth + 1)}")
     inner = wrapped(v)
     if inner is not None:  # an lru_cache'd function of yours: by what it wraps
         return f"{type(v).__qualname__}:{again(inner, where, depth + 1)}"

@@ -247,3 +247,42 @@ def test_a_node_drawing_from_a_generator_it_holds_is_refused(tmp_path):
     g = freeze(Graph.somatize(Noisy().frozen().cached(salt="v1")))
     with pytest.raises(Refused, match=r"node 'noisy' \(Noisy\) draws from"):
         g.forward(X, store=str(tmp_path))
+
+
+class Doubled(Two):
+    def forward(self, x):
+        return self.b(self.a(x)) * 2
+
+
+@pytest.mark.parametrize("per_item", [False, True])
+def test_a_class_swapped_on_the_instance_is_a_miss(tmp_path, per_item):
+    m, plain = cached(Two(), tmp_path, per_item)
+    check_fresh(m, plain)
+    m.__class__ = Doubled  # what torch's parametrize does, by hand: other code runs
+    check_fresh(m, plain)
+
+
+@pytest.mark.parametrize("per_item", [False, True])
+def test_a_hook_whose_closure_is_written_in_place_is_a_miss(tmp_path, per_item):
+    m, plain = cached(Two(), tmp_path, per_item)
+    cfg = {"k": 1.0}
+    m.a.register_forward_hook(lambda mod, i, out: out * cfg["k"])
+    check_fresh(m, plain)
+    cfg["k"] = 2.0  # the same hook, the same dict: its content changed
+    check_fresh(m, plain)
+
+
+LEAKY = functools.partial(F.leaky_relu, negative_slope=0.1)
+
+
+class ReadsPartial(Lin):
+    def forward(self, x):
+        return LEAKY(self.lin(x) - 0.3)
+
+
+@pytest.mark.parametrize("per_item", [False, True])
+def test_a_global_partial_is_named_by_what_it_was_given(tmp_path, monkeypatch, per_item):
+    m, plain = cached(ReadsPartial(), tmp_path, per_item)
+    check_fresh(m, plain)
+    monkeypatch.setitem(globals(), "LEAKY", functools.partial(F.leaky_relu, negative_slope=0.5))
+    check_fresh(m, plain)

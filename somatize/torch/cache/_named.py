@@ -330,10 +330,6 @@ def _named(v: Any, name: str, tensors: list, depth: int, tree: set | None = None
             return f"code:{v.__module__}.{v.__qualname__}:{code_digest(v.__code__)}"
         return function_text(v, name, depth, lambda x, w, d: _named(x, w, tensors, d, tree))
     again = lambda x, w, d: _named(x, w, tensors, d, tree)  # noqa: E731
-    if isinstance(v, functools.partial):  # its function and what it was given, by value
-        return (f"partial:{again(v.func, f'{name}.func', depth + 1)}:"
-                f"{again(v.args, f'{name}.args', depth + 1)}:"
-                f"{again(v.keywords, f'{name}.keywords', depth + 1)}")
     text = structure_text(v, name, depth, again)
     return text if text is not None else name_value(v, name, depth, again)
 
