@@ -286,3 +286,36 @@ def test_a_global_partial_is_named_by_what_it_was_given(tmp_path, monkeypatch, p
     check_fresh(m, plain)
     monkeypatch.setitem(globals(), "LEAKY", functools.partial(F.leaky_relu, negative_slope=0.5))
     check_fresh(m, plain)
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(16, 32, 3, padding=1)
+        self.c2 = nn.Conv2d(32, 8, 1)
+
+    def forward(self, x):
+        return self.c2(torch.relu(self.c1(x)))
+
+
+class AsksWeightLayout(Lin):
+    def forward(self, x):
+        return self.lin(x) * (1.0 if self.lin.weight.is_contiguous() else 2.0)
+
+
+@pytest.mark.parametrize("per_item", [False, True])
+@pytest.mark.parametrize("how", ["a forward that asks", "a kernel"])
+def test_weights_in_another_memory_layout_are_another_name(tmp_path, per_item, how):
+    # the same weights, channels-last: the CPU convolution rounds otherwise in the last bit
+    if how == "a kernel":
+        m, plain = cached(ConvNet(), tmp_path, per_item)
+        x = torch.randn(32, 16, 12, 12, generator=torch.Generator().manual_seed(2))
+        check_fresh(m, plain, x)
+        m.to(memory_format=torch.channels_last)
+    else:
+        m, plain = cached(AsksWeightLayout(), tmp_path, per_item)
+        x = X
+        check_fresh(m, plain, x)
+        w = m.lin.weight.detach()
+        m.lin.weight = nn.Parameter(w.t().contiguous().t(), requires_grad=False)  # same bytes
+    check_fresh(m, plain, x)
