@@ -13,6 +13,7 @@ shared store must not serve one value under another's name.
 from __future__ import annotations
 
 import dis
+import functools
 import json
 import struct
 import types
@@ -127,6 +128,9 @@ def _feed(h, value: Any) -> None:
         except Exception as e:  # a codec refusing a value (complex128, sparse) is no crash
             raise _Unnamed(type(value).__qualname__, f"{type(e).__name__}: {e}") from None
         _piece(h, b"o", head)
+        lay = c.layout(value) if c.layout is not None else ""
+        if lay:  # a transposed input: the kernels may round it otherwise than its copy
+            _piece(h, b"y", lay.encode())
         if type(value).__module__.partition(".")[0] not in _PLAIN_TYPES:
             _piece(h, b"c", _qualified(type(value)).encode())  # a tensor subclass is its own
         _piece(h, b"r", raw)
@@ -160,6 +164,14 @@ def fingerprint(cls: type, *more: type) -> dict[str, str]:
             for who, fn in functions_of((cls, *more), ("somatize", "torch."))}
 
 
+def wrapped(fn: Any) -> types.FunctionType | None:
+    """What a functools wrapper object (``lru_cache``, ``cache``) runs, else None."""
+    if type(fn).__module__ == "functools" and not isinstance(fn, types.FunctionType):
+        inner = getattr(fn, "__dict__", {}).get("__wrapped__")
+        return inner if isinstance(inner, types.FunctionType) else None
+    return None
+
+
 def functions_of(classes: Iterable[type], skip: tuple[str, ...]) -> list:
     """``[("Class.method", function), ...]``: the functions (methods, class and static
     methods, property getters) of ``classes`` and their bases, each class once; classes of
@@ -174,6 +186,9 @@ def functions_of(classes: Iterable[type], skip: tuple[str, ...]) -> list:
             fn = getattr(attr, "__func__", attr)
             if isinstance(fn, property):
                 fn = fn.fget
+            elif isinstance(fn, functools.cached_property):
+                fn = fn.func
+            fn = wrapped(fn) or fn  # functools.lru_cache's wrapper: what it runs
             if isinstance(fn, types.FunctionType):
                 out.append((f"{klass.__qualname__}.{name}", fn))
     return out

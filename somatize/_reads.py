@@ -7,7 +7,8 @@ so a changed module-level setting is a new key, never a stale hit.
 
 A reference is a global name and the attributes read off it while it is a module
 (``config.GAIN``, ``np.pi``). Its value is named by ``name_value``: plain data (None, bools,
-numbers, strings, bytes, enums, tuples, lists, sets, dicts, dataclasses of them) by value,
+numbers, strings, bytes, enums, tuples, lists, sets, dicts, dataclasses, an argparse or
+simple namespace, slices and ranges of them) by value,
 an object with a codec (a tensor) by its content, a class, module or built-in by its
 qualified name, a function by its qualified name, defaults and closure cells (its code is
 in the fingerprint). Anything else is refused naming the global, unless a salt names it.
@@ -16,6 +17,7 @@ Only code outside the installed packages and the standard library is walked (you
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import enum
 import functools
@@ -31,7 +33,7 @@ from blake3 import blake3
 
 from ._bytecode import DYNAMIC, attrs_set, globals_written, loaded_globals
 from ._errors import Refused
-from ._keys import functions_of
+from ._keys import functions_of, wrapped
 from ._values import codec_for
 
 _MAX_DEPTH = 8
@@ -120,6 +122,13 @@ def name_value(v: Any, where: str, depth: int = 0,
         return f"name:{type(v).__qualname__}"  # a sentinel, a logger: nothing computed
     if isinstance(v, types.MethodType):
         return f"method:{type(v.__self__).__qualname__}.{again(v.__func__, where, depth + 1)}"
+    if isinstance(v, functools.partial):  # its function and what it was given, by value
+        return (f"partial:{again(v.func, f'{where}.func', depth + 1)}:"
+                f"{again(v.args, f'{where}.args', depth + 1)}:"
+                f"{again(v.keywords, f'{where}.keywords', depth + 1)}")
+    inner = wrapped(v)
+    if inner is not None:  # an lru_cache'd function of yours: by what it wraps
+        return f"{type(v).__qualname__}:{again(inner, where, depth + 1)}"
     text = structure_text(v, where, depth, again)
     if text is not None:
         return text
@@ -162,7 +171,16 @@ def structure_text(v: Any, where: str, depth: int, again: Callable) -> str | Non
         items = [f"{f.name}={again(getattr(v, f.name), f'{where}.{f.name}', depth + 1)}"
                  for f in dataclasses.fields(v)]
         return f"{type(v).__module__}.{type(v).__qualname__}({','.join(items)})"
+    if isinstance(v, NAMESPACES):  # args = parser.parse_args(): its fields, in their order
+        items = [f"{k}={again(x, f'{where}.{k}', depth + 1)}" for k, x in vars(v).items()]
+        return f"{type(v).__module__}.{type(v).__qualname__}({','.join(items)})"
+    if isinstance(v, (slice, range)):  # self.keep = slice(0, 4)
+        return f"{type(v).__name__}:{again((v.start, v.stop, v.step), where, depth + 1)}"
     return None
+
+
+# the standard library's bags of attributes: plain data, named by their fields
+NAMESPACES = (types.SimpleNamespace, argparse.Namespace)
 
 
 def function_text(fn: types.FunctionType, where: str, depth: int,
@@ -315,7 +333,8 @@ def code_in(v: Any, depth: int = 0) -> list:
         return [c for x in v for c in code_in(x, depth + 1)]
     if dataclasses.is_dataclass(v) or isinstance(v, enum.Enum):
         return code_in(type(v), depth + 1)
-    return []
+    inner = wrapped(v)  # an lru_cache'd function: what it wraps runs
+    return code_in(inner, depth + 1) if inner is not None else []
 
 
 def _references(classes: tuple[type, ...], held: tuple = ()) -> list:

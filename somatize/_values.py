@@ -62,24 +62,29 @@ class Blob(NamedTuple):
 
 @dataclass(frozen=True)
 class Codec:
-    """How an object of ``type`` becomes a :class:`Blob` and back."""
+    """How an object of ``type`` becomes a :class:`Blob` and back; ``layout``: what of
+    it, beside its bytes, a computation may read (a tensor's strides), as text ("" for
+    the layout its blob has)."""
 
     kind: str
     type: type
     dump: Callable[[Any], Blob]
     load: Callable[[Blob], Any]
+    layout: Callable[[Any], str] | None = None
 
 
 _codecs: dict[str, Codec] = {}
 
 
-def codec(kind: str, type: type, *, dump: Callable[[Any], Blob], load: Callable[[Blob], Any]):
-    """Register how an object of ``type`` is turned into bytes (``dump``) and back (``load``).
+def codec(kind: str, type: type, *, dump: Callable[[Any], Blob], load: Callable[[Blob], Any],
+          layout: Callable[[Any], str] | None = None):
+    """Register how an object of ``type`` is turned into bytes (``dump``) and back (``load``),
+    and what of it beside its bytes is in an input's key (``layout``, see ``Codec``).
 
     ``somatize.torch`` registers the tensor's codec on import; register your own for
     other process-local types you want kept or hashed.
     """
-    _codecs[kind] = Codec(kind, type, dump, load)
+    _codecs[kind] = Codec(kind, type, dump, load, layout)
     return _codecs[kind]
 
 

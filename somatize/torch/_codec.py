@@ -64,4 +64,11 @@ def from_blob(blob: Blob) -> torch.Tensor:
     return raw.view(dtype).reshape(blob.shape)
 
 
-codec("tensor", torch.Tensor, dump=to_blob, load=from_blob)
+def layout(t: torch.Tensor) -> str:
+    """A tensor's strides where they are not its contiguous copy's ("" where they are): a
+    kernel given a transposed or channels-last input may round otherwise (a Linear on
+    ``x.t()`` and on ``x.t().contiguous()`` differ in the last bit)."""
+    return "" if t.is_contiguous() else f"strides{t.stride()}"
+
+
+codec("tensor", torch.Tensor, dump=to_blob, load=from_blob, layout=layout)

@@ -28,10 +28,11 @@ import torch
 from ... import _holes
 from ..._errors import Refused
 from ..._keys import changed, classes_of, fingerprint, key_of_input, key_of_node
-from ..._reads import reads_of
+from ..._reads import code_in, reads_of
 from ..._say import say_once
+from ._draws import drawing_refused, held_generators
 from ._freeze import digest_of, named_state
-from ._named import drawing_refused, held_code
+from ._named import held_code, instance_forward
 from ._watch import Watch
 
 
@@ -70,11 +71,16 @@ class CachedForward:
         """Digest the module's state and settings as they are now (after a checkpoint's
         weights are loaded); refused when a setting cannot be named."""
         state, pieces = named_state(self.module, self.path, self.salt)
+        if self.previous is not None:  # a forward of yours on the instance: what runs
+            held: list = []
+            pieces.append(instance_forward(self.previous, self.module, held))
+            state += [(f"forward.{k}", t) for k, t in held]
         self.digest = digest_of(state, pieces)
         self._watch = Watch(self.module, state)
         classes = classes_of(self.module, type(self.module))  # a child's code is its too
         self.code = json.dumps(fingerprint(*classes), sort_keys=True)
-        self.reads = reads_of(classes, held_code([self.module]))
+        self.generators = held_generators([self.module], classes)  # drawn from: refused
+        self.reads = reads_of(classes, held_code([self.module]) + tuple(code_in(self.previous)))
         self.state()  # a global that cannot be named is refused now, not at the first call
 
     def state(self) -> str | None:
@@ -112,7 +118,7 @@ class CachedForward:
             return self.run(*args, **kwargs)
         return drawing_refused(f"module {self.path!r} ({self.kind})",
                                lambda: self.run(*args, **kwargs),
-                               f"SomatizeCache(modules=...) for {self.path!r}")
+                               f"SomatizeCache(modules=...) for {self.path!r}", self.generators)
 
     def run(self, *args: Any, **kwargs: Any) -> Any:
         """The module's own forward."""
@@ -157,6 +163,7 @@ class CachedForward:
         state["_keeper"] = None  # opened again where it lands
         state["_watch"] = None  # tensors there have versions of their own: digest again
         state["reads"] = None  # globals there are its own: read again
+        state["generators"] = ()  # found again when it settles over there
         return state
 
 

@@ -14,7 +14,7 @@ from blake3 import blake3
 
 from ..._keys import digest
 from ..._memory import on_settled
-from .._codec import to_blob
+from .._codec import layout, to_blob
 from .._private import versions
 from .._state import modules_of, state_of
 from ._coupled import refuse_coupled_node
@@ -71,7 +71,8 @@ def digest_of(state: list[tuple[str, torch.Tensor]], pieces: list[str]) -> str |
     h = blake3()
     for name, t in state:
         blob = to_blob(t)
-        h.update(digest([name, blob.dtype, repr(blob.shape)]).encode())
+        lay = layout(t)  # a channels-last or transposed weight: the kernels may round otherwise
+        h.update(digest([name, blob.dtype, repr(blob.shape), *([lay] if lay else [])]).encode())
         h.update(memoryview(blob.data).cast("B"))
     return digest(["state", h.hexdigest(), "settings", *pieces])
 

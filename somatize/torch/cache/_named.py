@@ -22,7 +22,6 @@ import enum
 import functools
 import types
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -201,6 +200,8 @@ def settings_of(module: torch.nn.Module, where: str, salt: str | None = None,
                       for k, d in zip(FORWARD_HOOKS, forward_hooks(m), strict=True) if d]
         for k, v in attrs:
             name = f"{prefix}.{k}" if prefix else k
+            if k == "forward":  # a forward of yours set on a child: named as its hooks are
+                v = _hook(v, tree)
             try:
                 pieces.append(f"{name}={_named(v, name, tensors, 0, tree)}")
             except Unnamed as e:
@@ -279,10 +280,19 @@ def _hook(h: Any, tree: set) -> Any:
 
 
 def _ours(k: str, v: Any) -> bool:
-    # a forward installed on the instance (the cache's), or where its calls are routed (a
-    # placed module's, or compile()'s): code, whose fingerprint is kept beside the value,
-    # not a setting
-    return k in ("forward", ROUTED_CALL) and callable(v)
+    # somatize's forward installed on the instance (the cache's), or where its calls are
+    # routed (a placed module's, or compile()'s): not a setting. A forward of yours set on
+    # an instance (``m.a.forward = lambda x: ...``) runs in place of its class's: it is one
+    return k == ROUTED_CALL and callable(v) or k == "forward" and getattr(
+        v, "stands_in", False) is True
+
+
+def instance_forward(previous: Any, module: torch.nn.Module, tensors: list) -> str:
+    """A forward set on the cached module itself before the cache was (it runs in place
+    of its class's), named as a child's is: a setting of the module (``tensors``: those
+    it holds, state)."""
+    tree = {id(m) for m in module.modules()}
+    return "forward=" + _named(_hook(previous, tree), "forward", tensors, 0, tree)
 
 
 def _named(v: Any, name: str, tensors: list, depth: int, tree: set | None = None) -> str:
@@ -337,31 +347,3 @@ def held_code(holders: list) -> tuple:
             if m is not holder:  # a child's hooks run inside its forward
                 out += [c for d in forward_hooks(m) for h in d.values() for c in code_in(h)]
     return tuple(dict.fromkeys(out))
-
-
-def rng_state() -> tuple:
-    """What torch's random generators are at now (the CPU's state; CUDA's offsets, where
-    CUDA is in use): a forward that draws moves them."""
-    cpu = torch.default_generator.get_state()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return (cpu, *(g.get_offset() for g in torch.cuda.default_generators))
-    return (cpu,)
-
-
-def same_rng(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and torch.equal(a[0], b[0]) and a[1:] == b[1:]
-
-
-def drawing_refused(who: str, run: Callable[[], Any], where: str) -> Any:
-    """``run()``, refused if it drew from torch's random generator: its output is then no
-    function of what its key names, and a kept one would be served where computing again
-    gives another."""
-    before = rng_state()
-    out = run()
-    if not same_rng(before, rng_state()):
-        raise Refused(
-            f"{who} draws from torch's random generator in its forward (a dropout in train "
-            "mode, torch.rand...): its output is not a function of its input, and a kept one "
-            "would be served where computing again gives another. Put it in eval mode "
-            f"(.eval()), seed the generator in its forward, or leave it out of {where}")
-    return out

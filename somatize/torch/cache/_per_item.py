@@ -45,8 +45,8 @@ from .._private import first_device as _device_of
 from .._state import modules_of
 from ._cached import CachedForward, _refuse_trained_input
 from ._coupled import refuse_coupled, refuse_coupled_node
+from ._draws import drawing_refused, held_generators
 from ._gather import gather
-from ._named import drawing_refused
 
 CONTEXT = "somatize 2026-12 per-item key v1"
 NAMES, DTYPES = CODEC_DTYPES, TORCH_DTYPES  # the codec's one table: torch dtype <-> name
@@ -370,7 +370,8 @@ def computed_node(graph, n: str, node: Any, run: Callable[[], Any]) -> Any:
     classes = classes_of(node, getattr(node, "_soma_code", None) or type(node))
     if reads_of(classes, getattr(node, "_soma_held", ())).seeds:
         return run()
-    return drawing_refused(f"node {n!r} ({kind_of(node)})", run, f".cached() on {n!r}")
+    held = held_generators([node, *(m for _, m in modules_of(node))], classes)
+    return drawing_refused(f"node {n!r} ({kind_of(node)})", run, f".cached() on {n!r}", held)
 
 
 def mapped_counts(graph) -> tuple[int, int]:

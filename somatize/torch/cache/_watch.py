@@ -6,11 +6,12 @@ digest is taken again (a new name) rather than a stale value served.
     if watch.changed(module): ...         # digest again
 
 What it watches: each tensor of the state by identity, version and data pointer (written
-in place, replaced, or its ``.data`` swapped); each module of the tree and its own
-attributes by identity, containers (any dict, list, set or tuple, subclasses too) with a
+in place, replaced, or its ``.data`` swapped); each module of the tree, its class and its
+own attributes by identity, containers (any dict, list, set or tuple, subclasses too) with a
 shallow copy of their items; what can change under an unchanged identity (functions,
 bound methods, dataclasses, containers holding more than scalars, a module of yours held
-as an attribute) by its text, read again; each child's forward hooks; and the functions
+as an attribute) by its text, read again; each child's forward hooks (those with closure
+cells or defaults by their text too); and the functions
 of the user's classes in the tree (a method replaced mid-run: fingerprinted again).
 """
 
@@ -18,13 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import operator
 import types
 from typing import Any
 
 import torch
 
-from ..._reads import Unnamed, module_is_yours
+from ..._reads import NAMESPACES, Unnamed, module_is_yours
 from .._private import children, forward_hooks, own_tensors, versions
 from ._named import _BOOKKEEPING, _named, _ours, forward_writes
 
@@ -50,6 +52,9 @@ class Watch:
         self.hooks = [(d, tuple(d.values())) for m in module.modules()
                       if hooks or m is not module
                       for d in forward_hooks(m)]  # a child's, added or removed
+        # those whose text can change under their identity (a closure over a dict)
+        self.celled = [(h, "hook", h) for _, hs in self.hooks for h in hs if _has_cells(h)]
+        self.cells = _inner_of(self.celled)
         self.code = _code_now(module)  # a method replaced on its class: fingerprint again
 
     def changed(self, module: torch.nn.Module) -> bool:
@@ -58,7 +63,14 @@ class Watch:
             module, self.seen) or _inner_of(self.maybe) != self.inner or not all(
             _identical(tuple(d.values()), then) for d, then in self.hooks) or not all(
             len(vars(c)) == n and all(vars(c).get(k) is f for k, f in fs)
-            for c, n, fs in self.code) or _pointers(self.tensors) != self.pointers
+            for c, n, fs in self.code) or _pointers(self.tensors) != self.pointers or bool(
+            self.celled and _inner_of(self.celled) != self.cells)
+
+
+def _has_cells(h: Any) -> bool:
+    # a hook function whose closure cells or defaults may hold what changes in place
+    fn = getattr(h, "__func__", h)
+    return isinstance(fn, types.FunctionType) and bool(fn.__closure__ or fn.__defaults__)
 
 
 def _pointers(tensors: tuple) -> list[int]:
@@ -98,10 +110,10 @@ def _mutable(v: Any) -> bool:
 
 def _may_mutate(v: Any) -> bool:
     # what _mutable may say yes to (it looks at a container's content): by type alone
-    return isinstance(v, (types.FunctionType, types.MethodType, dict, list, tuple, set,
-                          frozenset)) or (dataclasses.is_dataclass(v) and not isinstance(
-                              v, type)) or (isinstance(v, types.ModuleType) and
-                                            module_is_yours(v))
+    return isinstance(v, (types.FunctionType, types.MethodType, functools.partial, dict,
+                          list, tuple, set, frozenset, *NAMESPACES)) or (
+        dataclasses.is_dataclass(v) and not isinstance(v, type)) or (
+        isinstance(v, types.ModuleType) and module_is_yours(v))
 
 
 def _inner(module: torch.nn.Module) -> list:
@@ -125,7 +137,7 @@ def _seen(module: torch.nn.Module) -> list:
     # one pass: each module, its tensors and children by identity, the names of its own
     # attributes, and those outside torch's bookkeeping with a shallow copy of the
     # containers among them
-    return [(m, *own_tensors(m), children(m), frozenset(m.__dict__),
+    return [(m, type(m), *own_tensors(m), children(m), frozenset(m.__dict__),
              [(k, v, _shallow(v)) for k, v in m.__dict__.items() if k not in skip])
             for m in module.modules() for skip in (_skipped(m),)]
 
@@ -134,14 +146,15 @@ def _same_now(module: torch.nn.Module, then: list) -> bool:
     """Whether ``_seen(module)`` would be ``then``, without making the list: the same
     root, and each module seen with the same children, is the same tree; each module with
     the same attribute names (one added or removed, bookkeeping too: the watch is set
-    again) and the same objects under those it watches."""
+    again) and the same objects under those it watches; each of its own class (one
+    swapped in, ``m.__class__ = Other``, runs other code)."""
     if not then or then[0][0] is not module:
         return False
-    for m, ps0, bs0, kids0, names0, items0 in then:
+    for m, cls0, ps0, bs0, kids0, names0, items0 in then:
         ps, bs = own_tensors(m)
         d = m.__dict__
-        if not _identical(ps, ps0) or not _identical(bs, bs0) or not _identical(
-                children(m), kids0) or d.keys() != names0:
+        if type(m) is not cls0 or not _identical(ps, ps0) or not _identical(
+                bs, bs0) or not _identical(children(m), kids0) or d.keys() != names0:
             return False
         for k, v0, inner0 in items0:
             v = d[k]
