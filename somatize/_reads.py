@@ -7,12 +7,12 @@ so a changed module-level setting is a new key, never a stale hit.
 
 A reference is a global name and the attributes read off it while it is a module
 (``config.GAIN``, ``np.pi``). Its value is named by ``name_value``: plain data (None, bools,
-numbers, strings, bytes, enums, tuples, lists, sets, dicts, dataclasses, an argparse or
-simple namespace, slices and ranges of them) by value,
-an object with a codec (a tensor) by its content, a class, module or built-in by its
-qualified name, a function by its qualified name, defaults and closure cells (its code is
-in the fingerprint). Anything else is refused naming the global, unless a salt names it.
-Only code outside the installed packages and the standard library is walked (yours).
+numbers, strings, bytes, enums, tuples, lists, sets, dicts, dataclasses, namespaces, slices
+and ranges of them) by value, an object with a codec (a tensor) by its content, a class,
+module or built-in by its qualified name, a function by its qualified name, defaults and
+closure cells (its code is in the fingerprint). Anything else is refused naming the
+global, unless a salt names it. Only code outside the installed packages and the standard
+library is walked (yours).
 """
 
 from __future__ import annotations
@@ -179,8 +179,7 @@ def structure_text(v: Any, where: str, depth: int, again: Callable) -> str | Non
     return None
 
 
-# the standard library's bags of attributes: plain data, named by their fields
-NAMESPACES = (types.SimpleNamespace, argparse.Namespace)
+NAMESPACES = (types.SimpleNamespace, argparse.Namespace)  # the stdlib's bags of attributes
 
 
 def function_text(fn: types.FunctionType, where: str, depth: int,
