@@ -333,7 +333,7 @@ class PerItemForward(CachedForward):
             refuse_coupled(self.module, self.path)  # a layer's train flag is watched too
             self.settle()  # its weights or settings were written: a new name
         out, _ = self.item(args[0], self.compute, self.state(), {"fingerprint": self.code},
-                           _device_of(self.module))
+                           self._watch.device)  # (where its weights were when it was set)
         self.hits, self.misses = self.item.hits, self.item.misses
         return out
 

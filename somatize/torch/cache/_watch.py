@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..._reads import NAMESPACES, Unnamed, module_is_yours
-from .._private import children, forward_hooks, own_tensors, versions
+from .._private import children, first_device, forward_hooks, own_tensors, versions
 from ._named import _BOOKKEEPING, _named, _ours, forward_writes
 
 # what a container may hold and still be copied shallowly (by identity): values that
@@ -56,6 +56,7 @@ class Watch:
         self.celled = [(h, "hook", h) for _, hs in self.hooks for h in hs if _has_cells(h)]
         self.cells = _inner_of(self.celled)
         self.code = _code_now(module)  # a method replaced on its class: fingerprint again
+        self.device = first_device(module)  # moved (.to()): its pointers tell, set again
 
     def changed(self, module: torch.nn.Module) -> bool:
         """Whether the module may compute differently than when this watch was set."""
