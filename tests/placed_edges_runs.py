@@ -9,12 +9,14 @@ reads what they save. All cases in one process (RPC starts once):
 """
 
 import contextvars
+import dataclasses
 import enum
 import functools
 import os
 import random
 import sys
 import threading
+import types
 
 import lightning.pytorch as pl
 import numpy as np
@@ -300,6 +302,15 @@ CFG = {"shift": 0.0}  # a config dict (read by a helper it calls),
 ACT = torch.tanh  # and a function
 
 
+@dataclasses.dataclass
+class Knobs:
+    scale: float = 1.0
+
+
+KNOBS = Knobs()  # config objects: a dataclass's instance
+OPTS = types.SimpleNamespace(bias=0.0)  # and a namespace (parse_args() gives one alike)
+
+
 def _shifted(h):
     return h + CFG["shift"]
 
@@ -310,7 +321,7 @@ class Gained(nn.Module):
         self.lin = nn.Linear(64, 8)
 
     def forward(self, x):
-        return _shifted(ACT(self.lin(x)) * GAIN)
+        return _shifted(ACT(self.lin(x)) * GAIN) * KNOBS.scale + OPTS.bias
 
 
 class SetsGlobals(pl.Callback):
@@ -328,6 +339,9 @@ class SetsGlobals(pl.Callback):
             GAIN = float(str(GAIN))  # another object, the same value
         elif self.how == "in_place":
             CFG["shift"] = 0.1 * i  # the same dict
+        elif self.how == "record":
+            KNOBS.scale = 1.0 + 0.5 * i  # a field of the same object
+            OPTS.bias = 0.01 * i
         elif i == 1:
             ACT = torch.sigmoid
 
@@ -344,14 +358,14 @@ def _globals_case(how, out, run):
     def make():  # each fit starts from the same settings
         global GAIN, ACT
         GAIN, ACT = 1.0, torch.tanh
-        CFG["shift"] = 0.0
+        CFG["shift"], KNOBS.scale, OPTS.bias = 0.0, 1.0, 0.0
         return Gains()
 
     try:
         run(make, out, max_steps=5, callbacks=[SetsGlobals(how)])
     finally:
         GAIN, ACT = 1.0, torch.tanh
-        CFG["shift"] = 0.0
+        CFG["shift"], KNOBS.scale, OPTS.bias = 0.0, 1.0, 0.0
 
 
 def global_rebound(out):
@@ -364,6 +378,10 @@ def global_same(out):
 
 def global_in_place(out):
     _globals_case("in_place", out, both)
+
+
+def global_record(out):
+    _globals_case("record", out, both)
 
 
 def global_to_code(out):

@@ -9,6 +9,7 @@ itself and prints the rest for the test to read.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -289,23 +290,32 @@ GAIN = 1.0
 CFG = {"gain": 1.0}
 
 
+@dataclasses.dataclass
+class Knobs:
+    scale: float = 1.0
+
+
+KNOBS = Knobs()
+
+
 class Gained(Body):
     """The body, scaled by a module-level float and a config dict's entry (read where it
     runs: the worker's copy of this script's globals)."""
 
     def forward(self, x, ctx):
-        return Done(Opaque(self.lin(x).relu() * GAIN * CFG["gain"]))
+        return Done(Opaque(self.lin(x).relu() * GAIN * CFG["gain"] * KNOBS.scale))
 
 
 def globals_follow() -> None:
-    """A placed node's globals changed here mid-run (one rebound, a dict changed in place)
-    are what its code reads over there: trained there by a Split, by a mirror of the
-    optimizer here, or frozen; the numbers of one piece, bit for bit. One rebound to a
-    function is refused, naming the node and the name. Prints "ok <how>" for each."""
+    """A placed node's globals changed here mid-run (one rebound, a dict changed in place,
+    a dataclass's field set) are what its code reads over there: trained there by a Split,
+    by a mirror of the optimizer here, or frozen; the numbers of one piece, bit for bit.
+    One rebound to a function is refused, naming the node and the name. Prints "ok <how>"
+    for each."""
     global GAIN
     data = batches(6)
     for how in ("split", "mirrored", "frozen"):
-        GAIN, CFG["gain"] = 1.0, 1.0
+        GAIN, CFG["gain"], KNOBS.scale = 1.0, 1.0, 1.0
         whole, far = twins(lambda how=how: (Gained(seed=None).frozen() if how == "frozen"
                                             else Gained(seed=None)) >> Head(seed=None))
         far = _placed(far, {"gained": "gpu"})
@@ -316,6 +326,8 @@ def globals_follow() -> None:
             for i, d in enumerate(data):
                 if i == 2:
                     GAIN = 3.0  # rebound here, by a callback say
+                if i == 3:
+                    KNOBS.scale = 2.0  # a config object's field
                 if i == 4:
                     CFG["gain"] = 0.5  # changed in place
                 assert a.step(d) == b.step(d), (how, i)

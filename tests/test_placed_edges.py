@@ -17,7 +17,8 @@ CASES = ["attributes", "unpicklable", "structure", "hooks", "hook_outside", "con
          "fan_out", "compiled_before",
          "kv_cache", "raised", "module_list", "generator_argument", "parametrized",
          "weight_norm_hook", "draws_random", "draws_numpy", "global_hook",
-         "global_rebound", "global_same", "global_in_place", "global_to_code"]
+         "global_rebound", "global_same", "global_in_place", "global_record",
+         "global_to_code"]
 
 
 @pytest.fixture(scope="module")
@@ -87,10 +88,12 @@ def test_a_hook_every_module_runs_is_refused_naming_the_placed_module(ran):
     assert "leave 'encoder' unplaced" in said
 
 
-@pytest.mark.parametrize("case", ["global_rebound", "global_same", "global_in_place"])
+@pytest.mark.parametrize("case", ["global_rebound", "global_same", "global_in_place",
+                                  "global_record"])
 def test_the_globals_the_placed_code_reads_follow_this_process_mid_fit(ran, case):
     # GAIN rebound before each batch (or to an equal value), a config dict a helper of the
-    # forward reads changed in place: the worker's copy follows, as one piece
+    # forward reads changed in place, a dataclass's and a namespace's fields set: the
+    # worker's copy follows, as one piece
     exact(ran(case), steps=5)
 
 

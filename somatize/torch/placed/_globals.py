@@ -4,8 +4,10 @@ The worker holds its own copy of them: the values its classes were sent with (a 
 classes travel by value) or those its own import gave it. What they hold here is sent
 with the first call, and again whenever one is rebound (``GAIN = 2.0`` by a callback) or,
 a small dict, list, set or tuple of plain values, changed in place (``CFG["gain"] = 2``):
-the worker sets them where its copy of the code reads them. A name rebound here to what
-cannot travel as data (a function, an object) is refused, naming it.
+the worker sets them where its copy of the code reads them. A config object of plain
+fields (a dataclass's instance, a ``SimpleNamespace``, ``argparse.Namespace``) is sent as
+its fields, and they are set on the worker's own copy of it. A name rebound here to what
+cannot travel as data (a function, another object) is refused, naming it.
 
     watch = Watched(module)                   # when the module is placed
     ops.append(SetGlobals(watch.changes("encoder", "worker")))   # at every call, if any
@@ -13,6 +15,8 @@ cannot travel as data (a function, an object) is refused, naming it.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import operator
 import types
 from dataclasses import dataclass
@@ -50,7 +54,7 @@ class Watched:
             return ()
         now = self._now()
         if self.sent and all(map(operator.is_, now, self.values)) and all(
-                now[i] == then for i, then in self.copies):  # (the same objects, as they were)
+                _copy(now[i]) == then for i, then in self.copies):  # (the same, as they were)
             return ()
         first, self.sent = not self.sent, True
         self.first = first
@@ -59,9 +63,9 @@ class Watched:
         for i, ((who, _, global_name, where), v, then) in enumerate(
                 zip(self.refs, now, self.values, strict=True)):
             if v is _MISSING or (not first and v is then and (
-                    i not in copied or v == copied[i])):
+                    i not in copied or _copy(v) == copied[i])):
                 continue
-            if _data(v):
+            if _data(v) or _record(v):
                 out.append((where, global_name, _copy(v)))
             elif not first:  # rebound here to code or an object: it cannot follow as data
                 raise Refused(
@@ -95,7 +99,25 @@ class SetGlobals:
                 where.setdefault((module, name), []).append(g)
         for module, name, value in self.values:
             for g in where.get((module, name), ()):  # each copy of that module's globals
-                g[name] = _copy(value)
+                if isinstance(value, Fields):  # a config object: its copy there, set in place
+                    value.set_on(g.get(name), name)
+                else:
+                    g[name] = _copy(value)
+
+
+class Fields(dict):
+    """A config object's fields (a dataclass's, a namespace's), sent by value: set in place
+    on the worker's own copy of the object (its class need not travel)."""
+
+    def set_on(self, obj: Any, name: str) -> None:
+        if obj is None or not _record(obj) or set(_fields(obj)) != set(self):
+            raise Refused(
+                f"the global {name!r} is a config object here with fields {sorted(self)}, "
+                f"but over there it is {type(obj).__name__}"
+                f"{' with fields ' + str(sorted(_fields(obj))) if _record(obj) else ''}: the "
+                "worker imported another version of the code. Run the same code on both")
+        for k, v in self.items():
+            object.__setattr__(obj, k, _copy(v))  # (a frozen dataclass too)
 
 
 def _data(v: Any) -> bool:
@@ -111,14 +133,32 @@ def _data(v: Any) -> bool:
     return len(items) <= 128 and all(type(x) in _SCALARS for x in items)
 
 
+def _record(v: Any) -> bool:
+    # a config object of plain fields (a dataclass's instance, a namespace): sent as them
+    if not (dataclasses.is_dataclass(v) and not isinstance(v, type)
+            or type(v) in (types.SimpleNamespace, argparse.Namespace)):
+        return False
+    fields = _fields(v)
+    return len(fields) <= 128 and all(_data(x) for x in fields.values())
+
+
+def _fields(v: Any) -> dict:
+    if dataclasses.is_dataclass(v):
+        return {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
+    return dict(vars(v))
+
+
 def _copy(v: Any) -> Any:
-    return type(v)(v) if type(v) in (dict, list, set) else v
+    if type(v) in (dict, list, set):
+        return type(v)(v)
+    return Fields({k: _copy(x) for k, x in _fields(v).items()}) if _record(v) else v
 
 
 def _copies(values: list) -> list:
-    # the mutable plain containers among them, copied: one changed in place is seen
+    # the mutable plain containers and config objects among them, copied: one changed in
+    # place is seen
     return [(i, _copy(v)) for i, v in enumerate(values)
-            if type(v) in (dict, list, set) and _data(v)]
+            if type(v) in (dict, list, set) and _data(v) or _record(v)]
 
 
 def _classes(obj: Any) -> list[type]:
