@@ -48,19 +48,22 @@ def test_a_transposed_input_is_not_named_as_its_contiguous_copy(tmp_path, body):
     assert m.forward.misses == 2
 
 
+class Enc(Node):
+    """A graph node around a module (``body()``, made from torch's seed 0)."""
+
+    def __init__(self, body):
+        torch.manual_seed(0)
+        self.body = body()
+
+    def forward(self, x, ctx):
+        return Done(self.body(x))
+
+    def parameters(self):
+        return list(self.body.parameters())
+
+
 def test_a_transposed_input_to_a_cached_node_is_its_own_name(tmp_path):
-    class Enc(Node):
-        def __init__(self):
-            torch.manual_seed(0)
-            self.body = AsksLayout()
-
-        def forward(self, x, ctx):
-            return Done(self.body(x))
-
-        def parameters(self):
-            return list(self.body.parameters())
-
-    enc = Enc()
+    enc = Enc(AsksLayout)
     g = freeze(Graph.somatize(enc.frozen().cached()))
     xt = torch.randn(8, 12)
     for x in (xt.t(), xt.t().contiguous()):
@@ -98,18 +101,7 @@ def test_a_forward_set_on_a_child_is_in_the_key(tmp_path, per_item, how):
 
 @pytest.mark.parametrize("mapped", [False, True], ids=["cached", "mapped"])
 def test_a_forward_set_on_a_node_module_after_freeze_is_computed_anew(tmp_path, mapped):
-    class Enc(Node):
-        def __init__(self):
-            torch.manual_seed(0)
-            self.body = Two()
-
-        def forward(self, x, ctx):
-            return Done(self.body(x))
-
-        def parameters(self):
-            return list(self.body.parameters())
-
-    enc = Enc()
+    enc = Enc(Two)
     node = enc.frozen().cached()
     g = freeze(Graph.somatize(node.mapped() if mapped else node))
     assert torch.equal(g.forward(X, store=str(tmp_path)), enc.body(X))

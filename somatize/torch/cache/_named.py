@@ -110,10 +110,8 @@ def _math_readers() -> list:
     return _readers
 
 
-_texts: dict[tuple, str] = {}  # the settings read -> their text (read at every call)
-
-
-_values: dict[tuple, str] = {}  # every setting read, in order -> their text
+_texts: dict[tuple, str] = {}  # (name, value) of the settings read -> their text
+_values: dict[tuple, str] = {}  # every setting's value, in order -> their text
 
 
 def math_state() -> str:

@@ -13,6 +13,7 @@ node and the name.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 from ..._graph import Graph
@@ -41,10 +42,12 @@ class NodeGlobals:
                 self.part.send(host, _set_globals, n, values, watch.first)
 
 
-_holders: dict[tuple[int, str], dict] = {}  # (a live graph, node) -> where its code reads
+# a live graph's node (its trainer, when trained) -> where its code reads, found at its
+# first call (gone with the session's graph)
+_holders: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _set_globals(live: Graph, n: str, values: tuple, first: bool) -> None:
     """Over there: set ``values`` where node ``n``'s copy of the code reads them."""
-    holder = _holders.setdefault((id(live), n), {})
-    SetGlobals(values, first).apply_to(live.catalog[n], holder)
+    node = live.catalog[n]
+    SetGlobals(values, first).apply_to(node, _holders.setdefault(node, {}))

@@ -54,7 +54,7 @@ class Watched:
             return ()
         now = self._now()
         if self.sent and all(map(operator.is_, now, self.values)) and all(
-                _copy(now[i]) == then for i, then in self.copies):  # (the same, as they were)
+                _as_sent(now[i]) == then for i, then in self.copies):  # (as they were)
             return ()
         first, self.sent = not self.sent, True
         self.first = first
@@ -63,7 +63,7 @@ class Watched:
         for i, ((who, _, global_name, where), v, then) in enumerate(
                 zip(self.refs, now, self.values, strict=True)):
             if v is _MISSING or (not first and v is then and (
-                    i not in copied or _copy(v) == copied[i])):
+                    i not in copied or _as_sent(v) == copied[i])):
                 continue
             if _data(v) or _record(v):
                 out.append((where, global_name, _copy(v)))
@@ -152,6 +152,11 @@ def _copy(v: Any) -> Any:
     if type(v) in (dict, list, set):
         return type(v)(v)
     return Fields({k: _copy(x) for k, x in _fields(v).items()}) if _record(v) else v
+
+
+def _as_sent(v: Any) -> Any:
+    # what to compare with its copy: a config object as its fields, a container as it is
+    return _copy(v) if _record(v) else v
 
 
 def _copies(values: list) -> list:
