@@ -91,12 +91,12 @@ def test_one_thread_or_two_give_blake3s_bytes(threads):
     assert lib is not None
     x = torch.rand(1500, 768, generator=torch.Generator().manual_seed(7))  # 4.6 MB: shared
     mkey = module_key("Enc", "t" * 64, None)
-    lib.somatize_set_threads(threads)
+    lib.somatize_set_threads(threads, 0)
     try:
         assert item_keys(mkey, x) == one_by_one(mkey, x)
         assert _rows._agrees(_rows.native())
     finally:
-        lib.somatize_set_threads(2)
+        lib.somatize_set_threads(2, 0)
 
 
 @needs_cc
@@ -112,13 +112,55 @@ def test_served_rows_gathered_natively_are_index_selects(n):
     codes = array("q", torch.randint(0, 2400, (n,), generator=g).tolist())
     rows = SimpleNamespace(codes=codes, arena=bytearray(arena.numpy().tobytes()), row=(512,))
     lib = _rows._libs[-1] if _rows.native() is not None else None
-    lib.somatize_set_threads(3)
+    lib.somatize_set_threads(3, 0)
     try:
         got = torch.empty(n, 512)
         gather(got, rows, torch.float32)
     finally:
-        lib.somatize_set_threads(2)
+        lib.somatize_set_threads(2, 0)
     assert torch.equal(got, arena[torch.tensor(codes.tolist())])
     out_of_range = SimpleNamespace(codes=array("q", [0, 2400]), arena=rows.arena, row=(512,))
     with pytest.raises(IndexError):  # refused natively, then by index_select
         gather(torch.empty(2, 512), out_of_range, torch.float32)
+
+
+@needs_cc
+@pytest.mark.parametrize("n,threads", [(1, 1), (7, 3), (256, 1), (256, 3), (2200, 3)])
+def test_a_batch_served_in_one_call_is_its_keys_and_its_arena_rows(n, threads):
+    """``somatize_serve``: the keys ``item_keys`` gives, and every row found in the table
+    copied from the arena in the batch's order (one thread or two); one key not there:
+    fewer found, the keys all the same."""
+    from somatize.store._served import Served
+    from somatize.torch.cache._item_keys import rows_key
+
+    g = torch.Generator().manual_seed(n)
+    x, arena = torch.rand(n, 768, generator=g), torch.rand(3000, 512, generator=g)
+    mkey = module_key("Enc", "s" * 64, None)
+    want = one_by_one(mkey, x)
+    codes = torch.randint(0, 3000, (n,), generator=g)
+    served = Served()
+    served.add(want, codes.tolist())
+    serve, lib = _rows.serve_function(), _rows._libs[-1]
+    key = rows_key(mkey, x.dtype, (768,))
+
+    def call(table: tuple) -> tuple[int, list[bytes], torch.Tensor]:
+        keys, out = _rows.key_buffer(n)(), torch.full((n, 512), -1.0)
+        found = serve(x.data_ptr(), n, 768 * 4, key, keys, table[0] or None, table[1],
+                      arena.data_ptr(), 3000, out.data_ptr(), 512 * 4)
+        return found, _rows.split_keys(keys, n), out
+
+    lib.somatize_set_threads(threads, 1)  # the helper asked from one byte on
+    try:
+        found, keys, out = call(served.table())
+        assert found == n and keys == want and torch.equal(out, arena[codes])
+        assert call((0, 0))[:2] == (0, want)  # no table yet: the keys alone
+        fewer = Served()
+        fewer.add(want[1:], codes[1:].tolist())
+        found, keys, out = call(fewer.table())
+        assert found == (n - 1 if want[0] not in want[1:] else n) and keys == want
+        assert torch.equal(out[1:], arena[codes[1:]])
+        short = Served()
+        short.add(want, [2999 + 1] + codes[1:].tolist())  # a row past the arena's: not found
+        assert call(short.table())[0] == n - 1
+    finally:
+        lib.somatize_set_threads(2, 0)

@@ -292,7 +292,7 @@ def test_items_served_before_are_found_in_one_call_as_the_dict_finds_them(tmp_pa
             for c in got.codes] == [row_of(i) for i in ids[::-1]]
     assert sp.served(keys + [key_of(1)]) is None  # one not served: asked of the index
     write(tmp_path, 5000, 5010, 10, seed=3)  # a segment comes: what was served is forgotten
-    time.sleep(_items._SERVED_LOOK / 1e9)  # once the index is looked at again (5 ms on)
+    time.sleep(_items._SERVED_LOOK / 1e9)  # once the index is looked at again (50 ms on)
     assert sp.served(keys) is None
     # the table (where the native library is) and the dict alone answer alike, growing
     both = [Served()]

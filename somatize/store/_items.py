@@ -21,6 +21,7 @@ per row, which ``verify`` checks.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import mmap
@@ -46,7 +47,7 @@ _OPEN_PACKS = 256
 _HOLD = 256 << 20  # bytes of checked rows held in memory, per module
 _HOLD_PACK = 64 << 20  # a bigger pack is checked, then read row by row
 _SERVED = 1 << 20  # items remembered as served from the arena (about 130 bytes each)
-_SERVED_LOOK = 5_000_000  # ns: how often a batch served from the arena looks at the index
+_SERVED_LOOK = 50_000_000  # ns: how often a batch served from the arena looks at the index
 
 
 def _row_bytes_of(layout: tuple) -> int:
@@ -145,6 +146,7 @@ class Space:
         self._arena: list[memoryview] = []  # one: anonymous memory, taken as it is filled
         self._layout: tuple | None = None
         self._cap = self._fill = self._arena_bytes = 0
+        self._arena_at: ctypes.c_char | None = None
         # item key -> its row in the arena, for items the index sent there while
         # it stood as it does now (forgotten whenever a segment comes or goes)
         self._served = Served()
@@ -173,6 +175,21 @@ class Space:
         dtype, row = self._layout
         return Rows(dtype, row, [True] * len(keys), row_bytes=_row_bytes_of(self._layout),
                     codes=codes, arena=self._arena[0])
+
+    def serving(self) -> tuple[tuple, int, int, int, int] | None:
+        """What a native call needs to serve a batch from the arena (``_rows.serve``):
+        ``(layout, table, mask, arena, rows in it)`` of the items served before, under the
+        index as ``served`` sees it (table 0: none yet); None when nothing is held."""
+        self.index.refresh(_SERVED_LOOK)
+        if self.index.generation != self._generation:
+            self._served.clear()
+            self._generation = self.index.generation
+        if self._layout is None or not self._arena:
+            return None
+        if self._arena_at is None:
+            self._arena_at = ctypes.c_char.from_buffer(self._arena[0].obj)  # where its bytes are
+        table, mask = self._served.table()
+        return self._layout, table, mask, ctypes.addressof(self._arena_at), self._fill
 
     def read(self, keys: Sequence[bytes], locs: Sequence[Loc | None]) -> Rows:
         """Find the rows of ``locs`` (None: skipped). A row whose pack is gone, damaged or
@@ -374,5 +391,6 @@ class Space:
         self._packs.clear()
         self._held.clear()
         self._arena.clear()
+        self._arena_at = None
         self._served.clear()
         self._layout, self._cap, self._fill, self._arena_bytes = None, 0, 0, 0

@@ -4,13 +4,19 @@
  *     somatize_rows(data, n, rb, key, out);  // out[16 i ..]: BLAKE3-keyed(key, row i)[:16]
  *     somatize_gather(dst, src, src_rows, rows, n, rb);  // dst row i = src row rows[i]
  *
- * A batch of HELPED bytes or more is shared with a thread started for it (pieces taken in
- * turn): the head does not run while a cached forward answers, so a second core may be
+ *     somatize_serve(data, n, rb, key, keys, table, mask, arena, arena_rows, dst, orb);
+ *         // keys as somatize_rows gives them, and each key's row of the served table's
+ *         // arena copied into dst row i; returns how many were found (n: dst is whole)
+ *
+ * Work of 512 KB or more is shared with one helper thread, started once and woken through
+ * a futex (pieces taken in turn, what it has not taken when the caller is done taken
+ * back): the head does not run while a cached forward answers, so a second core may be
  * free then. Only while the load average leaves a CPU free (on a loaded machine the helper
- * costs more than it does); somatize_set_threads(1) keeps one always. A thread started
- * and run costs 77-150 us on the 2-core VM this was measured on, the hash of 1 MB about
- * 300 us there in a fit: below 4 MB the helper costs more than it saves (a cached epoch
- * of 786 KB batches was 1.83x its head with it, 1.33x without).
+ * costs more than it does); somatize_set_threads(1) keeps one always. On the 2-core VM
+ * this was measured on, a thread started per call cost 77-150 us (a cached epoch of 786 KB
+ * batches was 1.83x its head with it, 1.33x without); waking the kept one costs 20-30 us,
+ * and serves a batch of 256 rows of 3 KB in 79 us against 121 alone (n=256 in a fit: 309
+ * against 473).
  * Written from the BLAKE3 specification (chunks of 1024 bytes, blocks of 64, 7 rounds,
  * a left subtree of the largest power of two of chunks below the whole). Every row of a
  * batch has the same length, so LANES rows go through the same steps side by side, one row
@@ -188,10 +194,11 @@ static void subtree(v32 out[8], const uint8_t *const rows[LANES], size_t rb, uin
     parent(out, l, r, key, KEYED | (root ? ROOT : 0));
 }
 
-/* Work shared with a thread started for it: both take pieces of it in turn until none is
- * left, so a helper that gets no CPU soon (a loaded machine) takes none and costs only
- * its start; the caller returns once every piece is done. The pool outlives the call for
- * a helper that starts late (it finds nothing left and frees it). */
+/* Work shared with one helper thread, started once and kept (woken through a futex; a
+ * thread started per call costs more than it saves below 4 MB): both take pieces of it in
+ * turn until none is left, so a helper that gets no CPU soon (a loaded machine) takes none
+ * and costs only the wake-up; work it has not taken when the caller is done is taken back.
+ * The caller returns once every piece is done. Linux only (elsewhere: the caller alone). */
 typedef void (*part_fn)(const void *args, uint64_t from, uint64_t to);
 struct pool {
     _Atomic uint64_t next, done, helped;
@@ -200,16 +207,18 @@ struct pool {
     const void *args;
     uint64_t n, piece;
 };
-#define HELPED (1u << 22) /* bytes of work from which a helper thread pays */
+static uint64_t helped_bytes = 1u << 19; /* bytes of work from which the helper is asked */
 static int threads = 2; /* at most: 1 where the machine has one CPU, or when set */
-static int alone; /* calls left to make alone: the last helper got no CPU in time */
+static int alone; /* calls left to make alone: the helper got no CPU in time lately */
 static long cpus = 1, calls;
 static int idle; /* whether the load average leaves a CPU free (read every 64 calls) */
 
-/* 1: the calling thread alone; 2: a helper while a CPU is free; 3: a helper always */
-void somatize_set_threads(int n) {
+/* 1: the calling thread alone; 2: the helper while a CPU is free; 3: the helper always;
+ * from: the bytes of work from which the helper is asked (0: as it was) */
+void somatize_set_threads(int n, uint64_t from) {
     cpus = sysconf(_SC_NPROCESSORS_ONLN);
     threads = n == 3 ? 3 : n > 1 && cpus > 1 ? 2 : 1;
+    if (from) helped_bytes = from;
 }
 
 static int a_cpu_free(void) {
@@ -235,15 +244,67 @@ static void release(struct pool *p) {
     if (atomic_fetch_sub(&p->refs, 1) == 1) free(p);
 }
 
-static void *helper(void *p) {
-    work(p, 1);
-    release(p);
+#ifdef __linux__
+#include <linux/futex.h>
+#include <sys/syscall.h>
+static _Atomic(struct pool *) posted; /* the work offered to the helper, until it takes it */
+static _Atomic uint32_t bell;         /* rung (incremented, then woken) when work is posted */
+static int helper_up;                 /* 1: running; -1: it could not be started */
+
+static void futex(_Atomic uint32_t *at, int op, uint32_t v) {
+    syscall(SYS_futex, (uint32_t *)at, op, v, NULL, NULL, 0);
+}
+
+static void *helper(void *unused) {
+    (void)unused;
+    for (;;) {
+        uint32_t rung = atomic_load(&bell);
+        struct pool *p = atomic_exchange(&posted, NULL);
+        if (p) {
+            work(p, 1);
+            release(p);
+            continue;
+        }
+        futex(&bell, FUTEX_WAIT_PRIVATE, rung); /* until the bell moves past rung */
+    }
     return NULL;
 }
 
+static void forked(void) { helper_up = 0, atomic_store(&posted, NULL); } /* not in a child */
+
+static int start_helper(void) {
+    if (helper_up == 0) {
+        pthread_t t;
+        pthread_attr_t attr;
+        int ok = pthread_attr_init(&attr) == 0 &&
+                 pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED) == 0 &&
+                 pthread_create(&t, &attr, helper, NULL) == 0;
+        pthread_attr_destroy(&attr);
+        helper_up = ok ? 1 : -1;
+        if (ok) pthread_atfork(NULL, NULL, forked);
+    }
+    return helper_up == 1;
+}
+
+static void offer(struct pool *p) {
+    atomic_store(&posted, p);
+    atomic_fetch_add(&bell, 1);
+    futex(&bell, FUTEX_WAKE_PRIVATE, 1);
+}
+
+static int take_back(struct pool *p) { /* 1: the helper never took it */
+    struct pool *was = p;
+    return atomic_compare_exchange_strong(&posted, &was, NULL);
+}
+#else
+static int start_helper(void) { return 0; }
+static void offer(struct pool *p) { (void)p; }
+static int take_back(struct pool *p) { (void)p; return 1; }
+#endif
+
 static void shared(part_fn fn, const void *args, uint64_t n, uint64_t piece) {
     int two = threads > 1 && piece && piece < n && (alone == 0 || (alone--, 0)) &&
-              a_cpu_free();
+              a_cpu_free() && start_helper();
     struct pool *p = two ? malloc(sizeof *p) : NULL;
     if (!p) {
         fn(args, 0, n); /* one thread: small work, one CPU, or no memory */
@@ -254,14 +315,9 @@ static void shared(part_fn fn, const void *args, uint64_t n, uint64_t piece) {
     atomic_init(&p->helped, 0);
     atomic_init(&p->refs, 2);
     p->fn = fn, p->args = args, p->n = n, p->piece = piece;
-    pthread_t t;
-    pthread_attr_t attr;
-    int started = pthread_attr_init(&attr) == 0 &&
-                  pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED) == 0 &&
-                  pthread_create(&t, &attr, helper, p) == 0;
-    pthread_attr_destroy(&attr);
-    if (!started) atomic_store(&p->refs, 1);
+    offer(p);
     work(p, 0);
+    if (take_back(p)) release(p); /* the helper's reference: it never saw this work */
     uint64_t pieces = (n + piece - 1) / piece;
     while (atomic_load(&p->done) < pieces) sched_yield(); /* the helper's last piece */
     if (atomic_load(&p->helped) == 0 && threads == 2) alone = 16; /* it had no CPU */
@@ -301,7 +357,7 @@ void somatize_rows(const uint8_t *data, uint64_t n, uint64_t rb, const uint8_t k
     for (int i = 0; i < 8; i++) key[i] = (v32){} + kw[i];
     struct rows_job j = {data, n, rb, key, out};
     /* pieces of two groups of LANES rows */
-    shared(rows_part, &j, n, n * rb >= HELPED ? 2 * LANES : 0);
+    shared(rows_part, &j, n, n * rb >= helped_bytes ? 2 * LANES : 0);
 }
 
 struct gather_job { uint8_t *dst; const uint8_t *src; const int64_t *rows; uint64_t rb; };
@@ -319,7 +375,7 @@ int somatize_gather(uint8_t *dst, const uint8_t *src, uint64_t src_rows, const i
     for (uint64_t i = 0; i < n; i++)
         if (rows[i] < 0 || (uint64_t)rows[i] >= src_rows) return 1;
     struct gather_job j = {dst, src, rows, rb};
-    shared(gather_part, &j, n, n * rb >= HELPED ? 32 : 0);
+    shared(gather_part, &j, n, n * rb >= helped_bytes ? 32 : 0);
     return 0;
 }
 
@@ -360,4 +416,48 @@ uint64_t somatize_table_get(const uint8_t *table, uint64_t mask, const uint8_t *
         }
     }
     return n;
+}
+
+static inline int64_t found(const uint8_t *table, uint64_t mask, const uint8_t *k) {
+    for (uint64_t s = first8(k) & mask;; s = (s + 1) & mask) {
+        const uint8_t *slot = table + 24 * s;
+        int64_t v;
+        memcpy(&v, slot + 16, 8);
+        if (v == 0 || memcmp(slot, k, 16) == 0) return v - 1; /* -1: not there */
+    }
+}
+
+struct serve_job {
+    struct rows_job rows;
+    const uint8_t *table, *arena;
+    uint64_t mask, arena_rows, orb;
+    uint8_t *dst;
+    _Atomic uint64_t missing;
+};
+
+static void serve_part(const void *args, uint64_t from, uint64_t to) {
+    struct serve_job *j = (struct serve_job *)args;
+    rows_part(&j->rows, from, to);
+    uint64_t miss = 0;
+    for (uint64_t i = from; i < to; i++) {
+        int64_t r = j->table ? found(j->table, j->mask, j->rows.out + 16 * i) : -1;
+        if (r < 0 || (uint64_t)r >= j->arena_rows) miss++;
+        else memcpy(j->dst + j->orb * i, j->arena + j->orb * (uint64_t)r, j->orb);
+    }
+    if (miss) atomic_fetch_add(&j->missing, miss);
+}
+
+/* A batch served in one call: keys[16 i ..] as somatize_rows gives them, and where every
+ * key is in the table (table may be NULL: none is), dst row i <- arena row of key i (rows
+ * of orb bytes). Returns how many rows were found; dst is whole only when that is n. */
+uint64_t somatize_serve(const uint8_t *data, uint64_t n, uint64_t rb, const uint8_t key32[32],
+                        uint8_t *keys, const uint8_t *table, uint64_t mask,
+                        const uint8_t *arena, uint64_t arena_rows, uint8_t *dst, uint64_t orb) {
+    v32 key[8];
+    uint32_t kw[8];
+    memcpy(kw, key32, 32);
+    for (int i = 0; i < 8; i++) key[i] = (v32){} + kw[i];
+    struct serve_job j = {{data, n, rb, key, keys}, table, arena, mask, arena_rows, orb, dst, 0};
+    shared(serve_part, &j, n, n * (rb + orb) >= helped_bytes ? 2 * LANES : 0);
+    return n - atomic_load(&j.missing);
 }

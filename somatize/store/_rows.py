@@ -9,8 +9,10 @@ whole batch; ``_rows.c`` hashes 16 rows at once, one per lane. It is compiled on
 machine with the C compiler found (``cc``, or ``$CC``) into ``$SOMATIZE_NATIVE_DIR``
 (default ``~/.cache/somatize``), loaded with ctypes, and used only after it gave the
 blake3 package's bytes on rows of many lengths. ``SOMATIZE_NATIVE=0`` turns it off. A
-batch of 4 MB or more is hashed (and its served rows gathered, ``gather``) on two
-threads while the load average leaves a CPU free; ``SOMATIZE_NATIVE_THREADS=1`` keeps one.
+batch of 512 KB or more is hashed (and its served rows gathered: ``gather``, ``serve``) on
+two threads (one kept helper) while the load average leaves a CPU free;
+``SOMATIZE_NATIVE_THREADS=1`` keeps one, ``SOMATIZE_NATIVE_HELP_FROM=<bytes>`` moves the
+threshold.
 """
 
 from __future__ import annotations
@@ -51,9 +53,15 @@ def row_keys(key: bytes, raw: memoryview | int, n: int,
     fn = native() if address else None
     if fn is None:
         return [blake3(raw[i * rb:(i + 1) * rb], key=key).digest(16) for i in range(n)]
-    out = _buffer(n)()
+    out = key_buffer(n)()
     fn(address, n, rb, key, out)
-    return list(_split(n).unpack_from(out))  # n bytes objects in one call
+    return split_keys(out, n)
+
+
+def split_keys(out: ctypes.Array, n: int) -> list[bytes]:
+    """The ``n`` keys of 16 bytes a native call wrote into ``out``, as bytes objects (in
+    one call)."""
+    return list(_split(n).unpack_from(out))
 
 
 @functools.lru_cache(maxsize=64)
@@ -62,7 +70,7 @@ def _split(n: int) -> struct.Struct:
 
 
 @functools.lru_cache(maxsize=64)
-def _buffer(n: int) -> type:
+def key_buffer(n: int) -> type:
     """The ctypes type of ``n`` keys' bytes (made once: making one costs more than a hash)."""
     return ctypes.c_char * (16 * n)
 
@@ -106,6 +114,20 @@ def gather_function():
     return fn
 
 
+def serve_function():
+    """``serve(data, n, rb, key, keys, table, mask, arena, arena_rows, dst, orb) -> found``:
+    a batch's keys (as ``row_keys``, into ``keys``) and, where every one is in the served
+    table, their arena rows copied into ``dst`` (``found == n``), in one call; None where
+    the native library is not there."""
+    if native() is None:
+        return None
+    fn = _libs[-1].somatize_serve
+    p, u = ctypes.c_void_p, ctypes.c_uint64
+    fn.argtypes = [p, u, u, ctypes.c_char_p, p, p, u, p, u, p, u]
+    fn.restype = u
+    return fn
+
+
 def _load():
     if os.environ.get("SOMATIZE_NATIVE", "1") == "0":
         return None
@@ -127,8 +149,9 @@ def _load():
                     "bytes on this machine; it is not used (rows are hashed one call each). "
                     "Remove the file to build it again", path)
         return None
-    lib.somatize_set_threads.argtypes = [ctypes.c_int]
-    lib.somatize_set_threads(int(os.environ.get("SOMATIZE_NATIVE_THREADS", "2") or 2))
+    lib.somatize_set_threads.argtypes = [ctypes.c_int, ctypes.c_uint64]
+    lib.somatize_set_threads(int(os.environ.get("SOMATIZE_NATIVE_THREADS", "2") or 2),
+                             int(os.environ.get("SOMATIZE_NATIVE_HELP_FROM", "0") or 0))
     _libs.append(lib)
     return fn
 

@@ -46,6 +46,10 @@ class Served:
         else:
             self._put(keys, rows)
 
+    def table(self) -> tuple[int, int]:
+        """``(address, mask)`` of the native table (0, 0 where there is none)."""
+        return (self._at, self._mask) if self._table is not None else (0, 0)
+
     def codes(self, keys: Sequence[bytes]) -> array | None:
         """The row of each of ``keys``, in order, when every one is known; else None."""
         n = len(keys)

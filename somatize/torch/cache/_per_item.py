@@ -19,7 +19,6 @@ length-prefixed pieces): no row can be named like a whole value.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import weakref
@@ -27,18 +26,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from blake3 import blake3
 
 from ..._errors import Refused
 from ..._keeper import items_of_keeper
-from ..._keys import changed, classes_of, digest, state_of_call
+from ..._keys import changed, classes_of
 from ..._naming import _fingerprint_of, live_state
 from ..._node import kind_of
 from ..._reads import reads_of
 from ..._say import say_once
 from ..._values import Opaque, bare
 from ...store._items import Items, Space
-from ...store._rows import native, row_keys
 from .._codec import DTYPES as CODEC_DTYPES
 from .._codec import TORCH_DTYPES
 from .._private import first_device as _device_of
@@ -47,51 +44,11 @@ from ._cached import CachedForward, _refuse_trained_input
 from ._coupled import refuse_coupled, refuse_coupled_node
 from ._draws import drawing_refused, held_generators
 from ._gather import gather
+from ._item_keys import CONTEXT, item_keys, module_key, rows_key  # noqa: F401 - names kept here
+from ._served_batch import served_batch
 
-CONTEXT = "somatize 2026-12 per-item key v1"
 NAMES, DTYPES = CODEC_DTYPES, TORCH_DTYPES  # the codec's one table: torch dtype <-> name
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # a subclass of its own names its rows apart
 CHUNK = 32  # misses are computed in batches of this many rows (padded): docs/per-item.md
-
-
-def module_key(kind: str, state: str | None, salt: str | None) -> str:
-    """The name under which a module's items are kept (its items' common part): the pieces
-    of a whole-batch key (class, state and settings digest, salt, the call's state as
-    ``_keys.state_of_call`` says it: autocast) under a domain of its own."""
-    return _module_key(kind, state or "", salt or "", state_of_call())
-
-
-@functools.lru_cache(maxsize=256)
-def _module_key(*pieces: str) -> str:
-    return digest(["items", *pieces])  # asked at every batch, with the same pieces
-
-
-def item_keys(mkey: str, x: torch.Tensor) -> list[bytes]:
-    """One 16-byte key per row of ``x`` (hashed in place on a contiguous CPU copy, in one
-    native call: ``_rows``)."""
-    sub = "" if type(x) in _PLAIN else f"{type(x).__module__}.{type(x).__qualname__}"
-    x = x.detach()
-    if x.device.type != "cpu":
-        x = x.cpu()
-    x = x.contiguous()
-    n = x.shape[0]
-    if n == 0:
-        return []
-    key = _rows_key(mkey, x.dtype, tuple(x.shape[1:]), sub)
-    size = x.numel() * x.element_size()
-    if size and native() is not None:  # the hasher reads the tensor's bytes where they are
-        return row_keys(key, size, n, x.data_ptr())
-    raw = memoryview(x.reshape(n, -1).view(torch.uint8).numpy()).cast("B") if size \
-        else memoryview(b"")
-    return row_keys(key, raw, n)
-
-
-@functools.lru_cache(maxsize=256)
-def _rows_key(mkey: str, dtype: torch.dtype, row: tuple[int, ...], sub: str = "") -> bytes:
-    """A key of its own per module and row layout, derived under our context: each row is
-    then keyed BLAKE3 (a mode no whole-value key uses), many rows at a time (_rows)."""
-    return blake3(bytes.fromhex(mkey) + f"{dtype}{list(row)}{sub}".encode(),
-                  derive_key_context=CONTEXT).digest()
 
 
 def items_of(store: Any) -> Items | None:
@@ -160,8 +117,13 @@ class PerItem:
         if space is None or x.shape[0] == 0:
             return run(x), True
         n = x.shape[0]
-        keys = item_keys(space.key, x)
-        rows = space.served(keys)  # the epochs after the first: all of them, at once
+        layout = (space.key, x.dtype, tuple(x.shape[1:]))  # what its rows' keys are derived under
+        done, keys = served_batch(space, x, self.device or device or x.device)
+        if done is not None:  # the epochs after the first: every row served, in one call
+            self.hits += n
+            self.row = self.rows_of.setdefault(layout, tuple(done.shape[1:]))
+            return done, False
+        rows = space.served(keys)  # (where no native call could serve them)
         if rows is None:
             locs = space.lookup(keys)
             rows = space.read(keys, locs) if any(loc is not None for loc in locs) else None
@@ -179,7 +141,6 @@ class PerItem:
         self.hits += nhit
         self.misses += n - nhit
         out = None
-        layout = (space.key, x.dtype, tuple(x.shape[1:]))  # what its rows' keys are derived under
         if todo:
             sub = x if len(todo) == n else x[torch.tensor(todo, device=x.device)]
             out = self._checked(self._chunked(run, sub, x, todo), len(todo), rows if hit else None,
