@@ -39,7 +39,7 @@ PROCESSES = {
     "test_mixed_routes.py", "test_packaging.py", "test_per_item.py",
     "test_placed_edges.py", "test_placed_hf.py", "test_placed_optimizers.py",
     "test_placed_ordinary.py",
-    "test_readme.py",
+    "test_readme.py", "test_shm.py",
     "test_refusals.py", "test_remote.py", "test_remote_failure.py",
     "test_remote_reliability.py", "test_remote_standing.py", "test_remote_torchrun.py",
     "test_scenario.py", "test_secret.py", "test_stages.py", "test_store.py",

@@ -16,7 +16,7 @@ from scenario import HERE, ROOT, env, scenario
 from scenario import start as _start
 
 SCRIPTS = [HERE / f"remote_{topic}_runs.py" for topic in ("graph", "failure", "standing",
-                                                          "trainer")]
+                                                          "trainer", "shm")]
 __all__ = ["HERE", "ROOT", "SCRIPTS", "coordinate", "env", "listeners", "listening",
            "no_worker_left", "said", "script_of", "start"]
 

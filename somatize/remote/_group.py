@@ -80,7 +80,7 @@ class Group:
                 if loopback(host):
                     keep_on_loopback()
                 key = _secret.run_key()
-                _sealed.seal(key)  # before the first message: every one carries its MAC
+                _sealed.seal(key, loopback(host))  # before the first message: its MAC
                 self.netns = _exposure.isolate(host, specs)
                 network = not loopback(host) and settings["isolate"] != "off"
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 import hmac
 import logging
 
-from . import _exposure, _private
+from . import _exposure, _private, _shm
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"SMZ1"
+SHM = b"SMZ2"  # a message some of whose tensors are in shared memory (``_shm``)
 _HASH = "sha256"  # HMAC-SHA256
 _N = len(MAGIC) + 32
 
@@ -51,18 +52,25 @@ def _refusal():
     return Refusal(_REFUSAL, AttributeError)
 
 
-def seal(key: bytes) -> None:
-    """Make this process's RPC pickler MAC what it sends and check what it receives."""
+def seal(key: bytes, local: bool = False) -> None:
+    """Make this process's RPC pickler MAC what it sends and check what it receives;
+    ``local``: every peer is on this host (a run on loopback), so big tensors go through
+    shared memory (``_shm``)."""
+    _shm.enable(local)
     p = _private.rpc_pickler()
     cls = type(p)
 
     def serialize(obj):
         data, tensors = cls.serialize(p, obj)
+        tensors, where = _shm.carried(tensors)  # big ones through shared memory (one host)
+        if where:
+            data = len(where).to_bytes(4, "little") + where + data
+            return SHM + hmac.digest(key, data, _HASH) + data, tensors
         return MAGIC + hmac.digest(key, data, _HASH) + data, tensors  # (one C call)
 
     def deserialize(binary_data, tensor_table):
         data = bytes(binary_data)
-        if data[:len(MAGIC)] != MAGIC or not hmac.compare_digest(
+        if data[:len(MAGIC)] not in (MAGIC, SHM) or not hmac.compare_digest(
                 data[len(MAGIC):_N], hmac.digest(key, data[_N:], _HASH)):
             # TensorPipe does not say who sent it: every stranger is one "peer" here
             if _exposure.refused("a call", "a peer outside the run"):
@@ -70,6 +78,10 @@ def seal(key: bytes) -> None:
                             "outside the run reached this process's RPC listener): nothing "
                             "in it was unpickled or run")
             return _refusal()
+        if data[:len(MAGIC)] == SHM:  # the header, MAC'd with the rest: where they are
+            n = int.from_bytes(data[_N:_N + 4], "little")
+            tensor_table = _shm.received(data[_N + 4:_N + 4 + n], tensor_table)
+            return cls.deserialize(p, data[_N + 4 + n:], tensor_table)
         return cls.deserialize(p, data[_N:], tensor_table)
 
     p.serialize, p.deserialize = serialize, deserialize

@@ -309,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
 
     opts = json.loads(args.options)
     key = _secret.given_key()  # from our environment, never from the command line
-    _sealed.seal(key)
     host, _, port = args.join.removeprefix("tcp://").rpartition(":")
+    _sealed.seal(key, loopback(host))  # on loopback: big tensors through shared memory
     init = join_through(host, int(port), key, opts.get("timeout", 60.0), args.name)
     # a run on a network: our listeners admit only its hosts, from the moment they open;
     # once we are a member, the coordinator tells us each later one (read again then: a

@@ -26,8 +26,8 @@ def rendezvous(rank: int) -> str:
 
     key = run_key()
     _secret.use_key(key, "torchrun")
-    _sealed.seal(key)
     host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    _sealed.seal(key, loopback(host))  # one host: big tensors through shared memory
     if loopback(host):
         keep_on_loopback()
     torchrun_store = next(dist.rendezvous("env://", rank=rank,

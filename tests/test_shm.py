@@ -1,0 +1,85 @@
+"""Big tensors between the processes of a run on one host, through shared memory
+(somatize/remote/_shm.py): what arrives is what the socket gives, slots are used again
+only once let go, nothing is left in /dev/shm, a slot that cannot be opened is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from remote_run import coordinate
+
+from somatize.remote import _shm
+
+
+def test_big_tensors_cross_through_shared_memory_as_the_socket_gives_them(tmp_path):
+    out = coordinate("shm_both_ways", cwd=tmp_path)
+    assert "CASE transposed (1, 1024)" in out and "CASE a slice (1024, 1)" in out
+
+
+def test_a_slot_is_used_again_only_once_its_receiver_let_go(tmp_path):
+    assert "NEWFILES []" in coordinate("shm_slots_reused", cwd=tmp_path)
+
+
+def test_a_split_trained_through_shared_memory_is_the_whole_graph_here_bit_for_bit(tmp_path):
+    assert "OK 4" in coordinate("shm_split_exact", cwd=tmp_path)
+
+
+def test_only_tensors_that_fill_their_span_go_through_shared_memory():
+    w = torch.zeros(64, 32)
+    assert _shm._dense(w.shape, w.stride()) and _shm._dense(w.t().shape, w.t().stride())
+    assert _shm._dense(w[:10].shape, w[:10].stride())
+    assert not _shm._dense(w[::2].shape, w[::2].stride())
+    assert not _shm._dense(w[:, :8].shape, w[:, :8].stride())
+    e = torch.zeros(64, 1).expand(64, 32)
+    assert not _shm._dense(e.shape, e.stride())
+
+
+def test_a_slot_that_cannot_be_opened_or_is_another_is_refused_naming_the_way_out(
+        monkeypatch):
+    monkeypatch.setattr(_shm, "_maps", {})
+    gone = [0, 2**22 + 12345, 7, 1, 4 << 20, "float32", [1 << 20], [1], False]
+    with pytest.raises(RuntimeError, match=r"process 4206649, .*SOMATIZE_SHM=0"):
+        _shm.received(json.dumps([gone]).encode(), [torch.empty(0)])
+    monkeypatch.setattr(_shm, "_on", [True])
+    monkeypatch.setattr(_shm, "_slots", [])
+    t = torch.arange(1 << 18, dtype=torch.float32)
+    table, header = _shm.carried([t])
+    assert table[0].numel() == 0 and len(_shm._slots) == 1
+    entry = json.loads(header)[0]
+    assert entry[1] == os.getpid()
+    assert torch.equal(_shm.received(header, table)[0], t)  # read back here, as it is
+    entry[3] += 1  # another slot's id
+    with pytest.raises(RuntimeError, match="not the one its message names"):
+        _shm.received(json.dumps([entry]).encode(), table)
+
+
+def test_a_forked_child_neither_writes_its_parents_slots_nor_lets_go_of_them(monkeypatch):
+    monkeypatch.setattr(_shm, "_on", [True])
+    monkeypatch.setattr(_shm, "_slots", [])
+    monkeypatch.setattr(_shm, "_maps", {})
+    t = torch.arange(1 << 18, dtype=torch.float32)
+    table, header = _shm.carried([t])
+    got = _shm.received(header, table)[0]  # held here: the slot stays in flight
+    slot = _shm._slots[0]
+    pid = os.fork()
+    if pid == 0:  # the child: its copy of ``got`` goes; a slot it asks for is its own
+        code = 0
+        try:
+            del got  # (no torch compute in a forked child: its math threads are gone)
+            code = 3 if _shm._slots else 0
+            mine = _shm._slot_for(1 << 20)
+            code = code or (4 if mine is None or mine.fd == slot.fd and mine is slot else 0)
+        except BaseException:
+            code = 5
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert not slot.free() and torch.equal(got, t)  # still this process's, untouched
+    del got
+    import gc
+
+    gc.collect()
+    assert slot.free()
