@@ -42,7 +42,11 @@ def _cases() -> dict[str, torch.Tensor]:
         "a slice": w[:300],  # its own bytes only
         "requires_grad": torch.randn(512, 1024, generator=g, requires_grad=True),
         "parameter": nn.Parameter(torch.randn(1024, 512, generator=g)),
-        "a stepped view (the socket)": w[::2],
+        "a stepped view (its clone)": w[::2],
+        "columns (its whole storage)": w[:, :800],
+        "a tail (its storage, at its offset)": w[100:],
+        "conjugate (the socket)": torch.randn(512, 512, dtype=torch.complex64,
+                                              generator=g).conj(),
         "small (the socket)": torch.randn(1000, generator=g),
     }
 
@@ -67,9 +71,10 @@ def shm_both_ways() -> None:
         assert there.looks(back) == there.looks(socket[1]), name
         assert torch.equal(back.detach(), t.detach()) and torch.equal(socket[1].detach(),
                                                                      t.detach()), name
-        # through shared memory there, and back: a stepped view goes by the socket, and
-        # comes back by shared memory (the socket gave the worker it compacted)
-        want = {"a stepped view (the socket)": (0, 1), "small (the socket)": (0, 0)}
+        # through shared memory there, and back; what requires grad or is conjugate, and
+        # what is small, by the socket both ways
+        want = {"requires_grad": (0, 0), "conjugate (the socket)": (0, 0),
+                "small (the socket)": (0, 0)}
         assert (_shm.sent[0] - mine, rt.call("gpu", there.sent) - theirs) == want.get(
             name, (1, 1)), name
         print("CASE", name, looks[3])

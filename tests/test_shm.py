@@ -17,6 +17,7 @@ from somatize.remote import _shm
 def test_big_tensors_cross_through_shared_memory_as_the_socket_gives_them(tmp_path):
     out = coordinate("shm_both_ways", cwd=tmp_path)
     assert "CASE transposed (1, 1024)" in out and "CASE a slice (1024, 1)" in out
+    assert "CASE a tail (its storage, at its offset) (1024, 1)" in out
 
 
 def test_a_slot_is_used_again_only_once_its_receiver_let_go(tmp_path):
@@ -78,8 +79,15 @@ def test_a_forked_child_neither_writes_its_parents_slots_nor_lets_go_of_them(mon
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert not slot.free() and torch.equal(got, t)  # still this process's, untouched
-    del got
+    del got  # held here when it forked: the child's copy is over the same pages
     import gc
 
     gc.collect()
-    assert slot.free()
+    assert not slot.free()  # left in flight for good: the sender makes another
+    table, header = _shm.carried([t])
+    assert _shm._slots[-1] is not slot
+    got = _shm.received(header, table)[0]  # received after the fork: let go as usual
+    assert torch.equal(got, t) and got._base is None
+    del got
+    gc.collect()
+    assert _shm._slots[-1].free()

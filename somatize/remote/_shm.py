@@ -15,7 +15,9 @@ A slot carries one tensor at a time: its state byte is set when it is sent and c
 by the receiver when the last tensor over it is freed; the sender reuses only a clear
 one, else makes another, up to ``POOL`` bytes of slots (past it: the socket, as before).
 A memfd is gone with the processes that hold it: kill -9 leaves nothing in /dev/shm. A
-forked child starts with no slot of its own, and never clears one of its parent's.
+forked child starts with no slot of its own and never clears one of its parent's; a
+tensor received before a fork never clears its slot (the child holds the same pages).
+Tensors that require grad stay on the socket (distributed autograd follows those).
 ``SOMATIZE_SHM=0`` turns it off (every tensor through TensorPipe).
 """
 
@@ -69,7 +71,8 @@ def _slot_for(nbytes: int) -> _Slot | None:
     fit = [s for s in _slots if s.cap >= nbytes and s.free()]
     if fit:
         return min(fit, key=lambda s: s.cap)
-    cap = max(FROM, 1 << (nbytes - 1).bit_length())
+    step = max(FROM, 1 << max((nbytes - 1).bit_length() - 3, 0))  # under 1/8 unused
+    cap = -(-nbytes // step) * step
     if sum(s.cap for s in _slots) + cap > POOL:
         return None
     slot = _Slot(cap)
@@ -85,8 +88,9 @@ def carried(tensors: list) -> tuple[list, bytes]:
     if not _on[0]:
         return tensors, b""
     big = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.layout ==
-           torch.strided and not t.is_quantized and t.numel() * t.element_size() >= FROM
-           and _dense(t.shape, t.stride())]
+           torch.strided and not (t.is_quantized or t.is_conj() or t.is_neg() or
+                                  t.requires_grad)  # (distributed autograd sees those)
+           and t.untyped_storage().nbytes() >= FROM]
     if not big:
         return tensors, b""
     storages = [t.untyped_storage().data_ptr() for t in tensors]
@@ -96,19 +100,44 @@ def carried(tensors: list) -> tuple[list, bytes]:
             t = tensors[i]
             if storages.count(storages[i]) > 1:
                 continue  # sharing its storage with another one: TensorPipe keeps that
-            nbytes = t.numel() * t.element_size()
+            offset, stride, nbytes, whole = _as_the_socket_sends(t)
+            if nbytes < FROM:
+                continue
             slot = _slot_for(nbytes)
             if slot is None:
                 break  # the pool is full: the rest through the socket
             slot.map[8] = 1  # in flight until the receiver frees it
             dst = torch.frombuffer(slot.map, dtype=torch.uint8, count=nbytes, offset=HEADER)
-            dst = dst.view(t.dtype).as_strided(t.shape, t.stride())  # its strides kept
-            dst.copy_(t.detach())
+            if whole:  # its storage's bytes, as they are
+                dst.copy_(torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()))
+            else:
+                dst.view(t.dtype).as_strided(t.shape, stride).copy_(t.detach())
             entries.append([i, os.getpid(), slot.fd, slot.id, nbytes, str(t.dtype)[6:],
-                            list(t.shape), list(t.stride()), bool(t.requires_grad)])
+                            list(t.shape), stride, offset])
             out[i] = torch.empty(0, dtype=t.dtype)
             sent[0] += 1
     return out, (json.dumps(entries).encode() if entries else b"")
+
+
+def _as_the_socket_sends(t) -> tuple[int, list[int], int, bool]:
+    """``(offset, strides, bytes, whole storage?)`` of ``t`` as TensorPipe's agent sends it:
+    a tensor using under half of a storage of 8 KB or more as its clone (strides kept if it
+    fills its span, else contiguous), any other with its whole storage, offset and
+    strides."""
+    useful, sb = t.numel() * t.element_size(), t.untyped_storage().nbytes()
+    if sb >= 8192 and sb >= 2 * useful:
+        if _dense(t.shape, t.stride()):
+            return 0, list(t.stride()), useful, False
+        return 0, _contiguous(t.shape), useful, False
+    return t.storage_offset(), list(t.stride()), sb, True
+
+
+def _contiguous(shape) -> list[int]:
+    out, n = [], 1
+    for size in reversed(shape):
+        out.append(n)
+        n *= max(size, 1)
+    return out[::-1]
 
 
 def _dense(shape, stride) -> bool:
@@ -134,12 +163,13 @@ def received(header: bytes, table: list) -> list:
     import torch  # noqa: PLC0415
 
     table = list(table)
-    for i, pid, fd, sid, nbytes, dtype, shape, stride, grad in json.loads(header):
+    for i, pid, fd, sid, nbytes, dtype, shape, stride, offset in json.loads(header):
         m = _mapped(pid, fd, sid, nbytes)
         arr = np.frombuffer(m, dtype=np.uint8, count=nbytes, offset=HEADER)
-        weakref.finalize(arr, _clear, m, os.getpid()).atexit = False
-        t = torch.from_numpy(arr).view(getattr(torch, dtype)).as_strided(shape, stride)
-        table[i] = t.requires_grad_() if grad else t
+        weakref.finalize(arr, _clear, m, os.getpid(), _forks[0]).atexit = False
+        # a tensor of its own over the slot's storage (no view: as the socket gives it)
+        table[i] = torch.empty(0, dtype=getattr(torch, dtype)).set_(
+            torch.from_numpy(arr).untyped_storage(), offset, shape, stride)
     return table
 
 
@@ -158,13 +188,28 @@ def _mapped(pid: int, fd: int, sid: int, nbytes: int) -> mmap.mmap:
         if int.from_bytes(m[:8], "little") != sid or len(m) < HEADER + nbytes:
             raise RuntimeError(f"the shared-memory slot {fd} of process {pid} is not the one "
                                "its message names: start the run with SOMATIZE_SHM=0")
+        for gone in [k for k in _maps if not _alive(k[0])]:
+            del _maps[gone]  # a sender that ended: its slots are not asked for again
         _maps[(pid, fd)] = m
     return m
 
 
-def _clear(m: mmap.mmap, pid: int) -> None:
-    if os.getpid() != pid:
-        return  # a forked child letting go of its copy: the parent may still hold it
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def _clear(m: mmap.mmap, pid: int, forks: int) -> None:
+    if os.getpid() != pid or forks != _forks[0]:
+        # a forked child letting go of its copy (the parent may still hold it), or a
+        # tensor that was here when this process forked: a child holds it, over the same
+        # pages; its slot is left in flight for good (the sender makes another)
+        return
     try:
         m[8] = 0  # the sender may use this slot again
     except (ValueError, TypeError):  # closed at exit
@@ -174,9 +219,16 @@ def _clear(m: mmap.mmap, pid: int) -> None:
 def _forked() -> None:
     """In a forked child: the parent's slots are the parent's (its next message may be
     written into any of them), and what it mapped is for it to let go."""
+    global _lock
+    _lock = threading.Lock()  # (another thread may have held it at the fork)
     _slots.clear()
     _maps.clear()
     sent[0] = 0
 
 
-os.register_at_fork(after_in_child=_forked)
+def _forking() -> None:
+    _forks[0] += 1  # what is held now is shared with the child from now on
+
+
+_forks = [0]
+os.register_at_fork(before=_forking, after_in_child=_forked)

@@ -286,10 +286,12 @@ static int start_helper(void) {
     return helper_up == 1;
 }
 
-static void offer(struct pool *p) {
-    atomic_store(&posted, p);
+static int offer(struct pool *p) { /* 0: another thread's work is posted (run alone) */
+    struct pool *none = NULL;
+    if (!atomic_compare_exchange_strong(&posted, &none, p)) return 0;
     atomic_fetch_add(&bell, 1);
     futex(&bell, FUTEX_WAKE_PRIVATE, 1);
+    return 1;
 }
 
 static int take_back(struct pool *p) { /* 1: the helper never took it */
@@ -298,7 +300,7 @@ static int take_back(struct pool *p) { /* 1: the helper never took it */
 }
 #else
 static int start_helper(void) { return 0; }
-static void offer(struct pool *p) { (void)p; }
+static int offer(struct pool *p) { (void)p; return 0; }
 static int take_back(struct pool *p) { (void)p; return 1; }
 #endif
 
@@ -315,12 +317,12 @@ static void shared(part_fn fn, const void *args, uint64_t n, uint64_t piece) {
     atomic_init(&p->helped, 0);
     atomic_init(&p->refs, 2);
     p->fn = fn, p->args = args, p->n = n, p->piece = piece;
-    offer(p);
+    int offered = offer(p);
     work(p, 0);
-    if (take_back(p)) release(p); /* the helper's reference: it never saw this work */
+    if (!offered || take_back(p)) release(p); /* the helper's reference: it never saw it */
     uint64_t pieces = (n + piece - 1) / piece;
     while (atomic_load(&p->done) < pieces) sched_yield(); /* the helper's last piece */
-    if (atomic_load(&p->helped) == 0 && threads == 2) alone = 16; /* it had no CPU */
+    if (offered && atomic_load(&p->helped) == 0 && threads == 2) alone = 16; /* no CPU */
     release(p);
 }
 

@@ -27,10 +27,11 @@ def served_batch(space: Any, x: torch.Tensor,
     at = space.serving() if fn is not None and (device is None or device.type == "cpu") \
         else None
     if at is not None:
-        x, sub = prepared(x)
-        n, size = x.shape[0], x.numel() * x.element_size()
+        flat, sub = prepared(x)
+        n, size = flat.shape[0], flat.numel() * flat.element_size()
     if at is None or not size:
-        return None, item_keys(space.key, x)
+        return None, item_keys(space.key, x)  # (from x as it came: its subclass named)
+    x = flat
     (dtype, row), table, mask, arena, arena_rows = at
     out = torch.empty((n, *row), dtype=TORCH_DTYPES[dtype])
     keys = key_buffer(n)()
