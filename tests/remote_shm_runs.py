@@ -107,6 +107,28 @@ def shm_slots_reused() -> None:
     g.close()
 
 
+def shm_off_in_one_worker() -> None:
+    """A worker started with SOMATIZE_SHM=0 joins: the coordinator says so once and sends
+    no more through shared memory (to it or any other), and what crosses is the same."""
+    os.environ["SOMATIZE_FORKS"] = "off"  # each worker a child with this environment
+    g = _graph()  # worker "gpu": shared memory on, both ways
+    t = torch.randn(2 * MB // 4)
+    assert runtime_for(g).call("gpu", there.total, t) == float(t.sum())
+    assert _shm.sent == [1] and _shm.enabled()
+    os.environ["SOMATIZE_SHM"] = "0"
+    h = Graph.somatize(node(nn.Linear(4, 4)).at("cpu2"))
+    runtime_for(h, {"cpu2": Worker.embedded(timeout=60)})
+    h.forward(torch.randn(2, 4))
+    assert not _shm.enabled() and runtime_for(h).call("cpu2", there.slots) == -1
+    for rt in (runtime_for(g), runtime_for(h)):
+        looks, back, _ = rt.call(next(iter(rt.peers)), there.back, t)
+        assert torch.equal(back, t)
+    assert _shm.sent == [1], _shm.sent
+    print("OFF", runtime_for(g).call("gpu", there.sent))
+    h.close()
+    g.close()
+
+
 def _net(placed: bool) -> Graph:
     torch.manual_seed(0)
     b, head = node(nn.Sequential(nn.Linear(64, 2048), nn.ReLU())), node(nn.Linear(2048, 10))

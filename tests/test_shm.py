@@ -28,6 +28,10 @@ def test_a_split_trained_through_shared_memory_is_the_whole_graph_here_bit_for_b
     assert "OK 4" in coordinate("shm_split_exact", cwd=tmp_path)
 
 
+def test_a_worker_with_shared_memory_off_turns_it_off_for_the_run_saying_so(tmp_path):
+    assert "OFF" in coordinate("shm_off_in_one_worker", cwd=tmp_path)
+
+
 def test_only_tensors_that_fill_their_span_go_through_shared_memory():
     w = torch.zeros(64, 32)
     assert _shm._dense(w.shape, w.stride()) and _shm._dense(w.t().shape, w.t().stride())

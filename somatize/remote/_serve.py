@@ -51,9 +51,22 @@ class Failed:
 _joined: set[str] = set()  # on the coordinator: workers whose join has completed
 
 
-def joined(name: str) -> None:
-    """Said to the coordinator by a worker once every member knows it (join is no barrier)."""
+def joined(name: str, ticket: list | None = None) -> list | None:
+    """Said to the coordinator by a worker once every member knows it (join is no barrier);
+    ``ticket``: where the worker's shared-memory probe is (``_shm``). Answers this
+    process's ticket, or None: then neither side sends through shared memory (one of the
+    two has it off, or cannot open the other's: another pid namespace or user)."""
+    from . import _shm
+
+    if _shm.enabled() and not (ticket is not None and _shm.opens(ticket)):
+        _shm.enable(False)
+        log.warning("worker %r %s: big tensors of this run travel through the socket "
+                    "(slower; docs/workers.md)", name,
+                    "has shared memory off (SOMATIZE_SHM=0, or not on loopback)"
+                    if ticket is None else "and this process cannot open each other's "
+                    "memory (another container, pid namespace or user?)")
     _joined.add(name)
+    return _shm.ticket()
 
 
 _device: str | None = None  # --device; None: the default below
@@ -320,7 +333,11 @@ def main(argv: list[str] | None = None) -> int:
         rpc.init_rpc(args.name, rank=args.rank, world_size=None,
                      rpc_backend_options=backend_options(init, opts))
     expect_closed_pipes(opts.get("timeout", 60.0))
-    rpc.rpc_sync("coordinator", joined, args=(args.name,), timeout=opts.get("timeout", 60.0))
+    from . import _shm
+
+    theirs = rpc.rpc_sync("coordinator", joined, args=(args.name, _shm.ticket()),
+                          timeout=opts.get("timeout", 60.0))
+    _shm.enable(_shm.enabled() and theirs is not None and _shm.opens(theirs))
     _stop.wait()
     try:
         rpc.shutdown(graceful=True, timeout=opts.get("timeout", 60.0))

@@ -18,7 +18,9 @@ A memfd is gone with the processes that hold it: kill -9 leaves nothing in /dev/
 forked child starts with no slot of its own and never clears one of its parent's; a
 tensor received before a fork never clears its slot (the child holds the same pages).
 Tensors that require grad stay on the socket (distributed autograd follows those).
-``SOMATIZE_SHM=0`` turns it off (every tensor through TensorPipe).
+``SOMATIZE_SHM=0`` turns it off (every tensor through TensorPipe). A worker joining
+and its coordinator open each other's probe (``ticket``, ``opens``); where one cannot,
+or has it off, neither sends through shared memory from then on (``_serve.joined``).
 """
 
 from __future__ import annotations
@@ -78,6 +80,30 @@ def _slot_for(nbytes: int) -> _Slot | None:
     slot = _Slot(cap)
     _slots.append(slot)
     return slot
+
+
+_probe: list[_Slot] = []
+
+
+def ticket() -> list | None:
+    """Where a peer finds this process's probe (a slot of no bytes), to see that it can
+    open what this process sends; None when shared memory is off here."""
+    if not _on[0]:
+        return None
+    with _lock:
+        if not _probe:
+            _probe.append(_Slot(0))
+    return [os.getpid(), _probe[0].fd, _probe[0].id]
+
+
+def opens(ticket: list) -> bool:
+    """Whether this process can open the probe ``ticket`` names."""
+    try:
+        pid, fd, sid = ticket
+        _mapped(int(pid), int(fd), int(sid), 0)
+    except (RuntimeError, TypeError, ValueError):
+        return False
+    return True
 
 
 def carried(tensors: list) -> tuple[list, bytes]:
@@ -222,6 +248,7 @@ def _forked() -> None:
     global _lock
     _lock = threading.Lock()  # (another thread may have held it at the fork)
     _slots.clear()
+    _probe.clear()
     _maps.clear()
     sent[0] = 0
 
