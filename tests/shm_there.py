@@ -13,6 +13,8 @@ held: list = []
 def looks(t: torch.Tensor) -> tuple:
     """What a tensor that crossed is: its type, dtype, shape, strides, grad flag, storage
     (bytes, offset), whether it is a view, conjugate."""
+    if t.layout != torch.strided:
+        return type(t).__name__, t.dtype, tuple(t.shape), str(t.layout), t._nnz()
     return (type(t).__name__, t.dtype, tuple(t.shape), t.stride(), t.requires_grad,
             t.untyped_storage().nbytes(), t.storage_offset(), t._base is None, t.is_conj())
 

@@ -95,3 +95,15 @@ def test_a_forked_child_neither_writes_its_parents_slots_nor_lets_go_of_them(mon
     del got
     gc.collect()
     assert _shm._slots[-1].free()
+
+
+def test_a_message_with_sparse_and_meta_tensors_beside_a_big_one(monkeypatch):
+    monkeypatch.setattr(_shm, "_on", [True])
+    monkeypatch.setattr(_shm, "_slots", [])
+    monkeypatch.setattr(_shm, "_maps", {})
+    big = torch.randn(1024, 1024)
+    sent = [torch.randn(600, 600).to_sparse(), big, torch.empty(3, device="meta")]
+    table, header = _shm.carried(sent)
+    assert table[0] is sent[0] and table[2] is sent[2] and table[1].numel() == 0
+    assert [e[0] for e in json.loads(header)] == [1]
+    assert torch.equal(_shm.received(header, table)[1], big)

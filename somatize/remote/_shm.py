@@ -113,13 +113,15 @@ def carried(tensors: list) -> tuple[list, bytes]:
 
     if not _on[0]:
         return tensors, b""
-    big = [i for i, t in enumerate(tensors) if t.device.type == "cpu" and t.layout ==
-           torch.strided and not (t.is_quantized or t.is_conj() or t.is_neg() or
-                                  t.requires_grad)  # (distributed autograd sees those)
+    half = FROM // 2  # (a message's small tensors: one attribute each, then nothing)
+    big = [i for i, t in enumerate(tensors) if t.layout == torch.strided and t.nbytes >= half
+           and t.device.type == "cpu" and not (t.is_quantized or t.is_conj() or t.is_neg()
+                                               or t.requires_grad)  # (autograd sees those)
            and t.untyped_storage().nbytes() >= FROM]
     if not big:
         return tensors, b""
-    storages = [t.untyped_storage().data_ptr() for t in tensors]
+    storages = [t.untyped_storage().data_ptr() if t.layout == torch.strided and
+                t.device.type != "meta" else None for t in tensors]
     out, entries = list(tensors), []
     with _lock:
         for i in big:

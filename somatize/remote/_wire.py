@@ -108,7 +108,7 @@ def bytes_of(value: Any) -> int:
         if isinstance(v, plain):
             continue
         if isinstance(v, tensor):
-            total += v.nbytes
+            total += v.nbytes if v.layout == torch.strided else v.numel() * v.element_size()
         elif isinstance(v, dict):
             todo.extend(v.values())
         elif isinstance(v, (list, tuple)):
