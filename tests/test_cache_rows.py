@@ -164,3 +164,29 @@ def test_a_batch_served_in_one_call_is_its_keys_and_its_arena_rows(n, threads):
         assert call(short.table())[0] == n - 1
     finally:
         lib.somatize_set_threads(2, 0)
+
+
+@needs_cc
+def test_threads_hashing_at_once_each_get_their_own_rows_keys():
+    """The native helper is one per process: calls from several threads at once (ctypes
+    lets go of the GIL) each get their own batch's keys, the helper asked always."""
+    import threading
+
+    lib = _rows._libs[-1] if _rows.native() is not None else None
+    mkey = module_key("Enc", "t" * 64, None)
+    xs = [torch.rand(600, 768, generator=torch.Generator().manual_seed(s)) for s in range(4)]
+    want = [one_by_one(mkey, x) for x in xs]
+    got: dict[int, list] = {}
+    lib.somatize_set_threads(3, 1)
+    try:
+        def run(i: int) -> None:
+            got[i] = [item_keys(mkey, xs[i]) for _ in range(25)]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        lib.somatize_set_threads(2, 0)
+    assert all(got[i] == [want[i]] * 25 for i in range(4))

@@ -131,7 +131,8 @@ class Items:
 
 
 class Space:
-    """One module's items: its index and its packs."""
+    """One module's items: its index and its packs. Used from one thread (a native call
+    reads its served table and arena without the GIL)."""
 
     def __init__(self, items: Items, key: str, meta: dict[str, str]):
         self.items, self.key, self.meta = items, key, meta
