@@ -107,3 +107,35 @@ def test_a_message_with_sparse_and_meta_tensors_beside_a_big_one(monkeypatch):
     assert table[0] is sent[0] and table[2] is sent[2] and table[1].numel() == 0
     assert [e[0] for e in json.loads(header)] == [1]
     assert torch.equal(_shm.received(header, table)[1], big)
+
+
+def test_clear_slots_give_their_pages_back_past_keep_and_make_room_past_the_pool(
+        monkeypatch):
+    monkeypatch.setattr(_shm, "_on", [True])
+    monkeypatch.setattr(_shm, "_slots", [])
+    monkeypatch.setattr(_shm, "_maps", {})
+    monkeypatch.setattr(_shm, "KEEP", 0)
+    monkeypatch.setattr(_shm, "POOL", 6 << 20)
+    mb = 1 << 20
+
+    def through(t: torch.Tensor) -> bool:
+        table, header = _shm.carried([t])
+        if not header:
+            return False
+        assert torch.equal(_shm.received(header, table)[0], t)  # then let go of
+        return True
+
+    assert through(torch.ones(mb // 4))
+    first = _shm._slots[0]
+    assert first.free() and os.fstat(first.fd).st_blocks * 512 > mb  # its pages, kept
+    assert through(torch.ones(2 * mb // 4))  # another slot: the clear one's pages go
+    assert not first.resident and os.fstat(first.fd).st_blocks * 512 <= _shm.HEADER  # its page
+    assert through(torch.full((mb // 4,), 3.0))  # used again, its pages faulted back in
+    assert _shm._slots[0] is first and first.resident
+    second = _shm._slots[1]
+    assert through(torch.ones(4 * mb // 4))  # past the pool: the least recently used
+    assert second not in _shm._slots and first in _shm._slots  # clear slot closed for room
+    assert sum(s.cap for s in _shm._slots) <= 6 * mb
+    held = _shm.received(*reversed(_shm.carried([torch.ones(4 * mb // 4)])))
+    assert not through(torch.ones(5 * mb // 4))  # what is held is not closed: the socket
+    assert torch.equal(held[0], torch.ones(4 * mb // 4))

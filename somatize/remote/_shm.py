@@ -13,7 +13,10 @@ buffer, whose page faults cap it near 4 GB/s here (docs/performance.md).
 
 A slot carries one tensor at a time: its state byte is set when it is sent and cleared
 by the receiver when the last tensor over it is freed; the sender reuses only a clear
-one, else makes another, up to ``POOL`` bytes of slots (past it: the socket, as before).
+one, else makes another, up to ``POOL`` bytes of slots (clear ones closed to make room;
+past it: the socket, as before); clear slots keep their pages up to ``KEEP`` bytes, the
+least recently used beyond it give theirs back (a hole punched: gone for the receiver
+too).
 A memfd is gone with the processes that hold it: kill -9 leaves nothing in /dev/shm. A
 forked child starts with no slot of its own and never clears one of its parent's; a
 tensor received before a fork never clears its slot (the child holds the same pages).
@@ -36,6 +39,7 @@ import weakref
 HEADER = 4096  # a slot's first page: its id (8 bytes), its state byte; then the tensor
 FROM = int(os.environ.get("SOMATIZE_SHM_FROM", 1 << 20))  # bytes: smaller ones keep the socket
 POOL = int(os.environ.get("SOMATIZE_SHM_POOL", 2 << 30))  # bytes of slots a sender makes
+KEEP = int(os.environ.get("SOMATIZE_SHM_KEEP", 256 << 20))  # of clear slots' pages kept
 _ONE_THREAD = 4 << 20  # below: one memmove (23 us a MB here, copy_ 62); above, copy_
 _on = [False]
 _lock = threading.Lock()
@@ -54,7 +58,7 @@ def enabled() -> bool:
 
 
 class _Slot:
-    __slots__ = ("fd", "id", "cap", "map", "at")
+    __slots__ = ("fd", "id", "cap", "map", "at", "used", "resident")
 
     def __init__(self, cap: int):
         self.fd = os.memfd_create("somatize-slot", os.MFD_CLOEXEC)
@@ -63,25 +67,52 @@ class _Slot:
         self.at = ctypes.addressof(ctypes.c_char.from_buffer(self.map)) + HEADER  # its bytes
         self.id, self.cap = random.getrandbits(63) + 1, cap
         self.map[:8] = self.id.to_bytes(8, "little")
+        self.used, self.resident = 0, True
 
     def free(self) -> bool:
         return self.map[8] == 0
+
+    def release(self) -> None:
+        """Give its pages back (a hole punched in the memfd: gone from every mapping of
+        it, the receiver's too); a later use faults them in again."""
+        if self.resident and self.cap and hasattr(mmap, "MADV_REMOVE"):
+            self.map.madvise(mmap.MADV_REMOVE, HEADER, self.cap)
+        self.resident = False
 
 
 _slots: list[_Slot] = []
 
 
+_tick = [0]
+
+
 def _slot_for(nbytes: int) -> _Slot | None:
-    """A clear slot that holds ``nbytes`` (the smallest), else a new one; None past POOL."""
+    """A clear slot that holds ``nbytes`` (the smallest), else a new one (clear ones let
+    go, least recently used first, to stay within POOL); None when they are not enough.
+    Clear slots keep their pages up to KEEP bytes (the rest are given back)."""
+    _tick[0] += 1
     fit = [s for s in _slots if s.cap >= nbytes and s.free()]
     if fit:
-        return min(fit, key=lambda s: s.cap)
-    step = max(FROM, 1 << max((nbytes - 1).bit_length() - 3, 0))  # under 1/8 unused
-    cap = -(-nbytes // step) * step
-    if sum(s.cap for s in _slots) + cap > POOL:
-        return None
-    slot = _Slot(cap)
-    _slots.append(slot)
+        slot = min(fit, key=lambda s: s.cap)
+    else:
+        step = max(FROM, 1 << max((nbytes - 1).bit_length() - 3, 0))  # under 1/8 unused
+        cap = -(-nbytes // step) * step
+        clear = sorted((s for s in _slots if s.free()), key=lambda s: s.used)
+        while clear and sum(s.cap for s in _slots) + cap > POOL:
+            gone = clear.pop(0)
+            gone.release()
+            _slots.remove(gone)
+            gone.map.close()
+            os.close(gone.fd)
+        if sum(s.cap for s in _slots) + cap > POOL:
+            return None
+        slot = _Slot(cap)
+        _slots.append(slot)
+    slot.used, slot.resident = _tick[0], True
+    kept = sorted((s for s in _slots if s is not slot and s.resident and s.free()),
+                  key=lambda s: s.used)
+    while kept and sum(s.cap for s in kept) > KEEP:
+        kept.pop(0).release()
     return slot
 
 
