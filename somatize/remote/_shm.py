@@ -15,8 +15,8 @@ A slot carries one tensor at a time: its state byte is set when it is sent and c
 by the receiver when the last tensor over it is freed; the sender reuses only a clear
 one, else makes another, up to ``POOL`` bytes of slots (clear ones closed to make room;
 past it: the socket, as before); clear slots keep their pages up to ``KEEP`` bytes, the
-least recently used beyond it give theirs back (a hole punched: gone for the receiver
-too).
+least recently used beyond it give theirs back (the memfd cut and grown again: gone for
+the receiver too).
 A memfd is gone with the processes that hold it: kill -9 leaves nothing in /dev/shm. A
 forked child starts with no slot of its own and never clears one of its parent's; a
 tensor received before a fork never clears its slot (the child holds the same pages).
@@ -73,11 +73,18 @@ class _Slot:
         return self.map[8] == 0
 
     def release(self) -> None:
-        """Give its pages back (a hole punched in the memfd: gone from every mapping of
-        it, the receiver's too); a later use faults them in again."""
-        if self.resident and self.cap and hasattr(mmap, "MADV_REMOVE"):
-            self.map.madvise(mmap.MADV_REMOVE, HEADER, self.cap)
+        """Give its pages back: the memfd cut to its header and grown again (gone from
+        every mapping of it, the receiver's too, whatever the page size); a later use
+        faults them in again, as zeros. Only for a clear slot: nobody reads it."""
+        if self.resident and self.cap:
+            os.ftruncate(self.fd, HEADER)
+            os.ftruncate(self.fd, HEADER + self.cap)
         self.resident = False
+
+    def close(self) -> None:
+        os.ftruncate(self.fd, HEADER)  # (a receiver's cached mapping keeps the memfd)
+        self.map.close()
+        os.close(self.fd)
 
 
 _slots: list[_Slot] = []
@@ -91,28 +98,32 @@ def _slot_for(nbytes: int) -> _Slot | None:
     go, least recently used first, to stay within POOL); None when they are not enough.
     Clear slots keep their pages up to KEEP bytes (the rest are given back)."""
     _tick[0] += 1
-    fit = [s for s in _slots if s.cap >= nbytes and s.free()]
-    if fit:
-        slot = min(fit, key=lambda s: s.cap)
+    clear = [s for s in _slots if s.free()]
+    fit = [s for s in clear if s.cap >= nbytes]
+    if fit:  # the smallest, one with its pages first
+        slot = min(fit, key=lambda s: (s.cap, not s.resident))
     else:
         step = max(FROM, 1 << max((nbytes - 1).bit_length() - 3, 0))  # under 1/8 unused
         cap = -(-nbytes // step) * step
-        clear = sorted((s for s in _slots if s.free()), key=lambda s: s.used)
-        while clear and sum(s.cap for s in _slots) + cap > POOL:
+        total = sum(s.cap for s in _slots)
+        if cap > POOL - (total - sum(s.cap for s in clear)):
+            return None  # in flight, what is held leaves no room: keep the clear ones
+        clear.sort(key=lambda s: (s.resident, s.used))  # those without pages, then oldest
+        while total + cap > POOL:
             gone = clear.pop(0)
-            gone.release()
             _slots.remove(gone)
-            gone.map.close()
-            os.close(gone.fd)
-        if sum(s.cap for s in _slots) + cap > POOL:
-            return None
+            gone.close()
+            total -= gone.cap
         slot = _Slot(cap)
         _slots.append(slot)
+        clear = [s for s in clear if s in _slots]
     slot.used, slot.resident = _tick[0], True
-    kept = sorted((s for s in _slots if s is not slot and s.resident and s.free()),
-                  key=lambda s: s.used)
-    while kept and sum(s.cap for s in kept) > KEEP:
-        kept.pop(0).release()
+    kept = sorted((s for s in clear if s is not slot and s.resident), key=lambda s: s.used)
+    resident = sum(s.cap for s in kept)
+    while kept and resident > KEEP:
+        gone = kept.pop(0)
+        resident -= gone.cap
+        gone.release()
     return slot
 
 
