@@ -1,7 +1,7 @@
 """Large tensors between processes of one host through shared memory, not the socket.
 
     table, header = carried(tensors)     # sender: big CPU tensors copied into its slots
-    table = received(header, table)      # receiver: each one a view of the sender's slot
+    table = received(header, table)      # receiver: each one over the sender's slot
 
 A run on loopback has every process on this host. There, a CPU tensor of ``FROM`` bytes
 or more in a call or an answer is copied once into a slot of the sender (a memfd of its
@@ -116,7 +116,6 @@ def _slot_for(nbytes: int) -> _Slot | None:
             total -= gone.cap
         slot = _Slot(cap)
         _slots.append(slot)
-        clear = [s for s in clear if s in _slots]
     slot.used, slot.resident = _tick[0], True
     kept = sorted((s for s in clear if s is not slot and s.resident), key=lambda s: s.used)
     resident = sum(s.cap for s in kept)
@@ -235,8 +234,8 @@ _maps: dict[tuple[int, int], mmap.mmap] = {}  # (pid, fd) -> the slot mapped her
 
 
 def received(header: bytes, table: list) -> list:
-    """``table`` with each tensor the header names put back: a view of the sender's slot,
-    whose state is cleared when the last tensor over it is freed here."""
+    """``table`` with each tensor the header names put back: a tensor over the sender's
+    slot, whose state is cleared when the last tensor over it is freed here."""
     import numpy as np  # noqa: PLC0415
     import torch  # noqa: PLC0415
 
@@ -266,20 +265,12 @@ def _mapped(pid: int, fd: int, sid: int, nbytes: int) -> mmap.mmap:
         if int.from_bytes(m[:8], "little") != sid or len(m) < HEADER + nbytes:
             raise RuntimeError(f"the shared-memory slot {fd} of process {pid} is not the one "
                                "its message names: start the run with SOMATIZE_SHM=0")
-        for gone in [k for k in _maps if not _alive(k[0])]:
-            del _maps[gone]  # a sender that ended: its slots are not asked for again
+        from ._forks import _gone  # noqa: PLC0415 - only when a slot is first mapped
+
+        for ended in [k for k in _maps if _gone(k[0])]:
+            del _maps[ended]  # a sender that ended: its slots are not asked for again
         _maps[(pid, fd)] = m
     return m
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return True
 
 
 def _clear(m: mmap.mmap, pid: int, forks: int) -> None:

@@ -207,18 +207,19 @@ struct pool {
     const void *args;
     uint64_t n, piece;
 };
-static uint64_t helped_bytes = 1u << 19; /* bytes of work from which the helper is asked */
+#define HELP_FROM (1u << 19) /* bytes of work from which the helper is asked, by default */
+static uint64_t helped_bytes = HELP_FROM;
 static int threads = 2; /* at most: 1 where the machine has one CPU, or when set */
 static int alone; /* calls left to make alone: the helper got no CPU in time lately */
 static long cpus = 1, calls;
 static int idle; /* whether the load average leaves a CPU free (read every 64 calls) */
 
 /* 1: the calling thread alone; 2: the helper while a CPU is free; 3: the helper always;
- * from: the bytes of work from which the helper is asked (0: as it was) */
+ * from: the bytes of work from which the helper is asked (0: HELP_FROM) */
 void somatize_set_threads(int n, uint64_t from) {
     cpus = sysconf(_SC_NPROCESSORS_ONLN);
     threads = n == 3 ? 3 : n > 1 && cpus > 1 ? 2 : 1;
-    if (from) helped_bytes = from;
+    helped_bytes = from ? from : HELP_FROM;
 }
 
 static int a_cpu_free(void) {

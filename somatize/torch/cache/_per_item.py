@@ -118,12 +118,12 @@ class PerItem:
             return run(x), True
         n = x.shape[0]
         layout = (space.key, x.dtype, tuple(x.shape[1:]))  # what its rows' keys are derived under
-        done, keys = served_batch(space, x, self.device or device or x.device)
+        done, keys, asked = served_batch(space, x, self.device or device or x.device)
         if done is not None:  # the epochs after the first: every row served, in one call
             self.hits += n
             self.row = self.rows_of.setdefault(layout, tuple(done.shape[1:]))
             return done, False
-        rows = space.served(keys)  # (where no native call could serve them)
+        rows = None if asked else space.served(keys)  # (where no native call asked)
         if rows is None:
             locs = space.lookup(keys)
             rows = space.read(keys, locs) if any(loc is not None for loc in locs) else None

@@ -1,6 +1,7 @@
 """A batch's item keys, and its output where every row was served before, in one call.
 
-    out, keys = served_batch(space, x, device)   # out: None unless every row was served
+    out, keys, asked = served_batch(space, x, device)  # out: None unless every row was
+                                                       # served; asked: the table looked at
 
 Where the native library is loaded (``store/_rows``), one call hashes the rows, looks
 each key up in the table of items the arena served before, and copies their rows into a
@@ -20,9 +21,10 @@ from ._item_keys import item_keys, prepared, rows_key
 
 
 def served_batch(space: Any, x: torch.Tensor,
-                 device: torch.device | None) -> tuple[torch.Tensor | None, list[bytes]]:
-    """``(out, keys)``: ``out`` the batch's output when every row of ``x`` was served from
-    ``space``'s arena before (else None), ``keys`` its item keys."""
+                 device: torch.device | None) -> tuple[torch.Tensor | None, list[bytes], bool]:
+    """``(out, keys, asked)``: ``out`` the batch's output when every row of ``x`` was
+    served from ``space``'s arena before (else None), ``keys`` its item keys, ``asked``
+    whether the served items were looked at (else ``space.served`` answers that)."""
     fn = _serve[0] if _serve else _serve.append(serve_function()) or _serve[0]
     at = space.serving() if fn is not None and (device is None or device.type == "cpu") \
         else None
@@ -30,7 +32,7 @@ def served_batch(space: Any, x: torch.Tensor,
         flat, sub = prepared(x)
         n, size = flat.shape[0], flat.numel() * flat.element_size()
     if at is None or not size:
-        return None, item_keys(space.key, x)  # (from x as it came: its subclass named)
+        return None, item_keys(space.key, x), False  # (from x as it came: its subclass)
     x = flat
     (dtype, row), table, mask, arena, arena_rows = at
     out = torch.empty((n, *row), dtype=TORCH_DTYPES[dtype])
@@ -38,7 +40,7 @@ def served_batch(space: Any, x: torch.Tensor,
     orb = out.element_size() * (out.numel() // n)
     found = fn(x.data_ptr(), n, size // n, rows_key(space.key, x.dtype, tuple(x.shape[1:]), sub),
                keys, table or None, mask, arena, arena_rows, out.data_ptr(), orb)
-    return (out if found == n and orb else None), split_keys(keys, n)
+    return (out if found == n and orb else None), split_keys(keys, n), bool(orb)
 
 
 _serve: list = []
